@@ -1,0 +1,15 @@
+"""Training the DCOCO drafter: data regeneration, the packed DFlash objective, the joint DCOCO stage, Trainer glue."""
+
+from .losses import dcoco_loss, dflash_loss, pack_blocks, sample_anchors, transition_labels
+from .objective import DrafterLoss, drafter_loss, target_context
+
+__all__ = [
+    "DrafterLoss",
+    "dcoco_loss",
+    "dflash_loss",
+    "drafter_loss",
+    "pack_blocks",
+    "sample_anchors",
+    "target_context",
+    "transition_labels",
+]

@@ -1,0 +1,133 @@
+"""Training objectives of the drafter, on top of the drafter's own forward (no second drafting code path).
+
+Stage 1, DFlash (public reference recipe): per sequence, sample anchors among response tokens; each block
+[anchor, MASK x (B-1)] sees the target context strictly before its anchor, itself bidirectionally, and no other block,
+all in one packed forward. Slot k predicts the token at anchor + k with weight exp(-(k-1)/gamma).
+
+Stage 2, DCOCO (arXiv:2610.12570, section 3.4): the label of an adjacent slot pair (p, p+1) is the target's argmax
+token pair at those positions under teacher forcing, kept only when both tokens are inside their slots' top-K; the loss
+is the cross-entropy over the joint softmax of the pair's K^2 transition scores, weighted exp(-(p-1)/rho), rho = 4.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass
+class PackedBlocks:
+    """A batch of sequences with `m` anchored blocks each, ready for one drafter forward.
+
+    block_ids [N, m*B], position_ids [N, T + m*B], attention_mask [N, 1, m*B, T + m*B] (True = visible),
+    labels [N, m, B-1] (token at anchor + k), label_mask [N, m, B-1] (slot inside the sequence and the response).
+    """
+
+    block_ids: torch.LongTensor
+    position_ids: torch.LongTensor
+    attention_mask: torch.BoolTensor
+    labels: torch.LongTensor
+    label_mask: torch.BoolTensor
+    anchors: torch.LongTensor  # [N, m]
+
+
+def sample_anchors(
+    loss_mask: torch.BoolTensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Up to `num_anchors` distinct anchor positions per row, among positions p whose next token p + 1 is a response
+    token. Returns anchors [N, m] (sorted) and a validity mask [N, m] (rows with fewer candidates are padded)."""
+    candidates = torch.zeros_like(loss_mask)
+    candidates[:, :-1] = loss_mask[:, 1:]
+    noise = torch.rand(loss_mask.shape, generator=generator, device=loss_mask.device)
+    noise = noise.masked_fill(~candidates, 2.0)  # non-candidates sort last
+    m = min(num_anchors, loss_mask.shape[1])
+    picked = noise.topk(m, dim=1, largest=False)
+    anchors, order = picked.indices.sort(dim=1)
+    valid = picked.values.gather(1, order) < 2.0
+    return anchors, valid
+
+
+def pack_blocks(
+    input_ids: torch.LongTensor,
+    loss_mask: torch.BoolTensor,
+    anchors: torch.LongTensor,
+    anchor_valid: torch.BoolTensor,
+    block_size: int,
+    mask_token_id: int,
+) -> PackedBlocks:
+    """Build the packed block inputs and the block attention mask for anchors [N, m] in sequences [N, T]."""
+    n, t = input_ids.shape
+    m = anchors.shape[1]
+    device = input_ids.device
+    offsets = torch.arange(block_size, device=device)
+    slot_pos = anchors[:, :, None] + offsets  # [N, m, B] absolute positions of block tokens
+    block_ids = torch.full((n, m, block_size), mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)  # slot 0 embeds the anchor itself, never MASK
+    inside = slot_pos[:, :, 1:] < t
+    label_pos = slot_pos[:, :, 1:].clamp(max=t - 1)
+    labels = input_ids.gather(1, label_pos.reshape(n, -1)).view(n, m, block_size - 1)
+    label_mask = inside & loss_mask.gather(1, label_pos.reshape(n, -1)).view(n, m, block_size - 1)
+    label_mask &= anchor_valid[:, :, None]
+
+    # Context: block i sees target positions strictly before its anchor. Blocks: only themselves, bidirectionally.
+    context_visible = torch.arange(t, device=device)[None, None, :] < anchors[:, :, None]  # [N, m, T]
+    context_visible = context_visible[:, :, None, :].expand(n, m, block_size, t).reshape(n, m * block_size, t)
+    block_of = torch.arange(m, device=device).repeat_interleave(block_size)
+    same_block = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)
+    attention_mask = torch.cat([context_visible, same_block], dim=-1)[:, None]  # [N, 1, mB, T + mB]
+    position_ids = torch.cat([torch.arange(t, device=device).expand(n, t), slot_pos.reshape(n, -1)], dim=1)
+    return PackedBlocks(block_ids.view(n, -1), position_ids, attention_mask, labels, label_mask, anchors)
+
+
+def slot_weights(block_size: int, decay: float, device: torch.device | None = None) -> torch.Tensor:
+    """exp(-(k-1)/decay) for slots k = 1..B-1: early slots matter most, since verification stops at the first error."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / decay)
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's slot-loss decay: 7 for B = 16, 5 for B = 10, 4 for B = 8 (interpolated elsewhere)."""
+    table = {8: 4.0, 10: 5.0, 16: 7.0}
+    if block_size in table:
+        return table[block_size]
+    return max(1.0, 7.0 * math.log(block_size) / math.log(16))
+
+
+def dflash_loss(slot_logits: torch.Tensor, blocks: PackedBlocks, gamma: float) -> torch.Tensor:
+    """Weighted slot cross-entropy. slot_logits: [N, m, B-1, V]."""
+    ce = F.cross_entropy(slot_logits.flatten(0, 2).float(), blocks.labels.flatten(), reduction="none")
+    weights = slot_weights(slot_logits.shape[2] + 1, gamma, slot_logits.device) * blocks.label_mask
+    return (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
+
+
+def transition_labels(
+    candidates: torch.LongTensor, argmax_tokens: torch.LongTensor, label_mask: torch.BoolTensor
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Joint label index a*K + b of each adjacent slot pair, and whether it is usable.
+
+    candidates [..., S, K]; argmax_tokens [..., S] the target's argmax at each slot under teacher forcing.
+    A pair is usable only if both tokens are inside their slots' top-K (the walk cannot choose anything else).
+    """
+    hits = candidates == argmax_tokens[..., None]  # [..., S, K]
+    found = hits.any(-1)
+    index = hits.float().argmax(-1)  # position inside the top-K
+    k = candidates.shape[-1]
+    pair_index = index[..., :-1] * k + index[..., 1:]
+    usable = found[..., :-1] & found[..., 1:] & label_mask[..., :-1] & label_mask[..., 1:]
+    return pair_index, usable
+
+
+def dcoco_loss(
+    transition_scores: torch.Tensor, pair_index: torch.LongTensor, usable: torch.BoolTensor, rho: float = 4.0
+) -> torch.Tensor:
+    """Cross-entropy over the joint softmax of each pair's K^2 transitions, weighted exp(-(p-1)/rho).
+
+    transition_scores [..., P, K, K]; pair_index / usable [..., P].
+    """
+    flat = transition_scores.flatten(-2).float()  # [..., P, K^2]
+    ce = F.cross_entropy(flat.flatten(0, -2), pair_index.flatten(), reduction="none").view_as(pair_index.float())
+    weights = slot_weights(transition_scores.shape[-3] + 1, rho, flat.device) * usable
+    return (ce * weights).sum() / weights.sum().clamp(min=1e-6)

@@ -1,0 +1,89 @@
+"""Tiny random-weight targets and drafters for fast CPU tests.
+
+Random drafters almost never get a draft accepted, which would leave the acceptance path of the exactness tests
+untested. So `fitted_drafter` first fits the drafter backbone to its tiny target for a few seconds (with the library's
+own training objective), then `scrambled` randomises the corrector so corrections really change proposals.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dcoco_hf import DCOCODrafter
+from dcoco_hf.training import drafter_loss, target_context
+
+# Tiny models are dominated by per-op overhead; a second OpenMP thread only adds contention on 2-core machines (10x).
+torch.set_num_threads(1)
+
+VOCAB = 48
+PROMPT_LEN = 6
+
+
+def make_target(arch: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    else:
+        raise ValueError(arch)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def fit_drafter(target, block_size: int = 8, top_k: int = 4, steps: int = 120, seed: int = 0) -> DCOCODrafter:
+    torch.manual_seed(seed)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=block_size, top_k=top_k)
+    prompts = torch.randint(0, target.config.vocab_size, (48, PROMPT_LEN))
+    sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
+    loss_mask = torch.zeros_like(sequences, dtype=torch.bool)
+    loss_mask[:, PROMPT_LEN:] = True
+    states, argmax = target_context(target, drafter.config.target_layer_ids, sequences)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    drafter.train()
+    for _ in range(steps):
+        rows = torch.randint(0, sequences.shape[0], (16,), generator=generator)
+        loss = drafter_loss(
+            drafter, sequences[rows], loss_mask[rows], states[rows], argmax[rows], num_anchors=8, generator=generator
+        ).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+def scrambled(drafter: DCOCODrafter, seed: int = 0, scale: float = 3.0) -> DCOCODrafter:
+    """A copy (attached to the same target) whose corrector is random enough to overrule the drafter's argmax."""
+    clone = copy.deepcopy(drafter).attach(drafter.target)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in clone.corrector.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * scale / param.shape[-1] ** 0.5)
+    return clone
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def arch(request) -> str:
+    return request.param
+
+
+_FITTED: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="session")
+def fitted(arch):
+    """(target, fitted drafter) for `arch`, built once per session."""
+    if arch not in _FITTED:
+        target = make_target(arch)
+        _FITTED[arch] = (target, fit_drafter(target))
+    target, drafter = _FITTED[arch]
+    return target, drafter.attach(target)
