@@ -45,6 +45,35 @@ class DCOCOConfig(PreTrainedConfig):
 
     model_type = "dcoco"
 
+    # Declared fields: typed, and recognised by transformers as model settings (it refuses to save an undeclared
+    # `top_k`, taking it for a sampling parameter).
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    layer_types: list | None = None
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list | None = None
+    num_target_layers: int | None = None
+    top_k: int = 16
+    corrector_rank: int = 128
+    corrector_hidden: int = 256
+    selection: str = "greedy"
+    geometric_lambda: float = 0.75
+    # Declared so transformers 5 does not mistake it for a sampling setting (it refuses to save those in a config).
+    top_k: int = 16
+
     def __init__(
         self,
         vocab_size: int = 151936,

@@ -50,9 +50,7 @@ class DCOCOCorrector(nn.Module):
         self.delta_logits = nn.Linear(2, mlp_hidden, bias=False)
         # Delta, output layer: zero at start so S_p(a, b) = l_{p+1}(b) and the walk returns the drafter argmax.
         self.delta_out = nn.Linear(mlp_hidden, 1, bias=True)
-        self.reset_output_layer()
-
-    def reset_output_layer(self) -> None:
+        self.delta_out.zero_init = True  # honoured by DCOCOPreTrainedModel._init_weights
         nn.init.zeros_(self.delta_out.weight)
         nn.init.zeros_(self.delta_out.bias)
 

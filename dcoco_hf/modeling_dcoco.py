@@ -173,9 +173,9 @@ class DCOCOPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, DCOCOCorrector):
-            init.zeros_(module.delta_out.weight)
-            init.zeros_(module.delta_out.bias)
+        if getattr(module, "zero_init", False):  # the corrector's output layer: untrained = plain DFlash argmax
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
 
 
 class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):

@@ -1,0 +1,205 @@
+"""Training data for a drafter: prompts the target answers itself (greedy, chat template), stored with a response mask.
+
+DFlash and DCOCO train on the target's OWN greedy responses, so the drafter learns to predict what the target will
+accept. Prompt sources must stay disjoint from the evaluation suites (HumanEval, MT-Bench), so we build our own:
+
+* code prompts from Python standard-library functions: each one's signature and docstring summary, asked in the
+  same "complete the function" form our HumanEval prompts use (different functions, same task shape);
+* chat prompts written by the target itself ("self-instruct"): the target is asked, with sampling, for a question a
+  user might ask about one of a fixed list of everyday topics.
+
+Data is written in shards (`shard-00000.pt`, a list of {"input_ids", "loss_mask"} dicts), so generation resumes
+where it stopped and training streams shards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids
+
+STDLIB_MODULES = (
+    "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",
+    "glob", "gzip", "heapq", "html", "ipaddress", "itertools", "json", "keyword", "locale", "mimetypes", "ntpath",
+    "operator", "os", "os.path", "pathlib", "pickle", "platform", "posixpath", "pprint", "queue", "quopri", "random",
+    "re", "secrets", "shlex", "shutil", "statistics", "string", "struct", "tarfile", "tempfile", "textwrap",
+    "tokenize", "typing", "unicodedata", "urllib.parse", "uuid", "warnings", "zipfile", "base64", "binascii",
+    "codecs", "collections", "contextlib", "dataclasses", "decimal", "email.utils", "enum", "filecmp", "getopt",
+    "gettext", "graphlib", "hashlib", "hmac", "http.cookies", "inspect", "io", "linecache", "logging", "math",
+    "numbers", "optparse", "reprlib", "sched", "selectors", "smtplib", "socket", "sqlite3", "stat", "string",
+    "subprocess", "sysconfig", "threading", "timeit", "trace", "traceback", "types", "wave", "weakref", "xml.dom.minidom",
+)
+
+CHAT_TOPICS = (
+    "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry", "geography", "music",
+    "film", "literature", "poetry", "sports", "fitness", "nutrition", "sleep", "productivity", "careers",
+    "job interviews", "writing emails", "grammar", "learning languages", "mathematics", "statistics", "economics",
+    "philosophy", "ethics", "psychology", "parenting", "pets", "gardening", "home repair", "cars", "cycling",
+    "astronomy", "weather", "climate", "energy", "computers", "the internet", "smartphones", "video games",
+    "board games", "art", "photography", "fashion", "architecture", "law", "politics", "public speaking",
+    "negotiation", "friendship", "relationships", "mental health", "meditation", "time management", "budgeting",
+    "investing", "small business", "marketing", "customer service", "education", "studying for exams",
+    "science fiction", "mythology", "religion", "languages of the world", "oceans", "mountains", "animals", "insects",
+    "space exploration", "inventions", "famous scientists", "ancient Rome", "ancient Egypt", "the Middle Ages",
+    "renewable energy", "recycling", "first aid", "camping", "baking", "coffee", "tea", "wine", "birthdays",
+    "holidays", "writing a story", "role-playing a character", "summarizing an article", "brainstorming names",
+    "explaining a concept to a child", "comparing two products", "planning a trip", "writing a cover letter",
+    "debugging Python code", "SQL queries", "algorithms", "data structures", "web development", "command line tools",
+)
+
+
+def stdlib_code_prompts(limit: int | None = None, seed: int = 0) -> list[str]:
+    """'Complete the following Python function' prompts from documented standard-library functions."""
+    prompts, seen = [], set()
+    for module_name in STDLIB_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # platform-specific modules
+            continue
+        for name, func in inspect.getmembers(module, inspect.isfunction):
+            doc = inspect.getdoc(func)
+            if name.startswith("_") or not doc or func.__module__ != module.__name__ or name in seen:
+                continue
+            try:
+                signature = str(inspect.signature(func))
+            except (TypeError, ValueError):
+                continue
+            summary = doc.split("\n\n")[0].strip().replace('"""', "'''")
+            body = f'def {name}{signature}:\n    """{summary}\n    """\n'
+            prompts.append(HUMANEVAL_TEMPLATE.format(prompt=body))
+            seen.add(name)
+    random.Random(seed).shuffle(prompts)
+    return prompts[:limit]
+
+
+@torch.no_grad()
+def self_instruct_prompts(target, tokenizer, count: int, seed: int = 0, batch_size: int = 32) -> list[str]:
+    """`count` user questions written by the target itself, each about a topic from CHAT_TOPICS (sampled, T=0.9)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    asks = [
+        f"Write one question that a user might ask an AI assistant about {rng.choice(CHAT_TOPICS)}. "
+        "Reply with the question only."
+        for _ in range(count)
+    ]
+    questions = []
+    for batch in _batches(asks, batch_size):
+        ids, mask = _left_padded([chat_input_ids(tokenizer, a)[0] for a in batch], tokenizer.pad_token_id)
+        out = target.generate(
+            ids, attention_mask=mask, max_new_tokens=48, do_sample=True, temperature=0.9, top_p=0.95,
+        )
+        for row in tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True):
+            question = row.strip().split("\n")[0].strip().strip('"')
+            if len(question) > 15:
+                questions.append(question)
+    return questions
+
+
+@torch.no_grad()
+def regenerate(
+    target,
+    tokenizer,
+    prompts: list[str],
+    out_dir: str | Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    shard_size: int = 64,
+) -> Path:
+    """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
+
+    Resumable: shards already on disk are skipped. Prompts are sorted by length inside a shard to waste less padding.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "prompts.json").write_text(json.dumps(prompts))
+    shards = list(_batches(prompts, shard_size))
+    for index, shard in enumerate(tqdm(shards, desc="regenerate", unit="shard")):
+        path = out_dir / f"shard-{index:05d}.pt"
+        if path.exists():
+            continue
+        encoded = sorted((chat_input_ids(tokenizer, p)[0] for p in shard), key=len)
+        records = []
+        for batch in _batches(encoded, batch_size):
+            ids, mask = _left_padded(batch, tokenizer.pad_token_id)
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+            for prompt, row in zip(batch, out[:, ids.shape[1] :]):
+                response = _until_eos(row, target.generation_config.eos_token_id)
+                records.append(_record(prompt, response))
+        tmp = path.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.rename(path)
+    return out_dir
+
+
+def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
+    """All records of a regenerated data folder, in shard order."""
+    paths = sorted(Path(data_dir).glob("shard-*.pt"))
+    if not paths:
+        raise FileNotFoundError(f"No shard-*.pt files in {data_dir}; run scripts/regenerate_data.py first.")
+    return [record for path in paths for record in torch.load(path)]
+
+
+def _record(prompt: torch.LongTensor, response: torch.LongTensor) -> dict[str, torch.Tensor]:
+    input_ids = torch.cat([prompt, response]).to(torch.int32)
+    loss_mask = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    loss_mask[prompt.shape[0] :] = True
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def _until_eos(row: torch.LongTensor, eos: int | list[int] | None) -> torch.LongTensor:
+    """Cut a generated row after its first EOS (batched generate pads finished rows after it)."""
+    eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=row.dtype)
+    stops = torch.isin(row, eos_ids).nonzero()
+    return row[: int(stops[0]) + 1] if stops.numel() else row
+
+
+def _left_padded(rows: list[torch.LongTensor], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def _batches(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@torch.no_grad()
+def cache_target_features(
+    target, layer_ids: list[int], data_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Precompute the target context of every record (hidden states at `layer_ids`, argmax labels), shard by shard.
+
+    Worth it when training for more than one epoch: one target forward per sequence instead of one per epoch.
+    States are stored in bf16 (the drafter's `fc` is robust to it; fp16 overflows there). Resumable.
+    """
+    from .objective import target_context
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in tqdm(sorted(Path(data_dir).glob("shard-*.pt")), desc="target features", unit="shard"):
+        destination = out_dir / path.name
+        if destination.exists():
+            continue
+        records = torch.load(path)
+        for record in records:
+            ids = record["input_ids"].long()[None]
+            states, argmax = target_context(target, layer_ids, ids)
+            record["context_states"] = states[0].to(dtype)
+            record["target_argmax"] = argmax[0].to(torch.int32)
+        tmp = destination.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.rename(destination)
+    return out_dir

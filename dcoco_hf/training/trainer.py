@@ -1,0 +1,102 @@
+"""`transformers.Trainer` glue for drafter training: a wrapper module, a collator and a Trainer subclass.
+
+The wrapper registers only the drafter as a submodule, so checkpoints, DDP, FSDP and DeepSpeed see exactly the
+trainable weights; the frozen target rides along unregistered and follows the drafter's device. `accelerate launch`
+therefore needs no code change. Target context (hidden states + argmax labels) comes from cached feature shards when
+the dataset provides them, else it is computed online with the same hooks inference uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from .objective import drafter_loss, target_context
+
+
+class DrafterTrainingModel(nn.Module):
+    """The drafter (trainable) next to its frozen target. `stage` 1 = DFlash only, 2 = DFlash + DCOCO."""
+
+    def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
+                 gamma: float | None = None, rho: float = 4.0) -> None:
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage}: use 1 (DFlash) or 2 (joint DFlash + DCOCO).")
+        self.drafter = drafter
+        self.__dict__["target"] = target.eval().requires_grad_(False)  # unregistered: never saved, never wrapped
+        self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
+        # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone.
+        drafter.corrector.requires_grad_(stage == 2)
+
+    def forward(self, input_ids, loss_mask, attention_mask=None, context_states=None, target_argmax=None, **_):
+        if self.target.device != input_ids.device:
+            self.target.to(input_ids.device)
+        if context_states is None:
+            context_states, target_argmax = target_context(
+                self.target, self.drafter.config.target_layer_ids, input_ids, attention_mask
+            )
+        out = drafter_loss(
+            self.drafter, input_ids, loss_mask, context_states.to(self.drafter.dtype),
+            target_argmax if self.stage == 2 else None, self.num_anchors, self.gamma, self.rho,
+        )
+        return {"loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy}
+
+
+@dataclass
+class DrafterCollator:
+    """Right-pads records {"input_ids", "loss_mask"[, "context_states", "target_argmax"]} to the batch's length."""
+
+    pad_token_id: int = 0
+    max_length: int = 1024
+
+    def __call__(self, records: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        length = min(self.max_length, max(len(r["input_ids"]) for r in records))
+        batch: dict[str, torch.Tensor] = {
+            "input_ids": torch.full((len(records), length), self.pad_token_id, dtype=torch.long),
+            "loss_mask": torch.zeros((len(records), length), dtype=torch.bool),
+            "attention_mask": torch.zeros((len(records), length), dtype=torch.long),
+        }
+        cached = "context_states" in records[0]
+        if cached:
+            width = records[0]["context_states"].shape[-1]
+            batch["context_states"] = torch.zeros((len(records), length, width), dtype=records[0]["context_states"].dtype)
+            batch["target_argmax"] = torch.zeros((len(records), length), dtype=torch.long)
+        for i, record in enumerate(records):
+            n = min(length, len(record["input_ids"]))
+            batch["input_ids"][i, :n] = record["input_ids"][:n]
+            batch["loss_mask"][i, :n] = record["loss_mask"][:n]
+            batch["attention_mask"][i, :n] = 1
+            if cached:
+                batch["context_states"][i, :n] = record["context_states"][:n]
+                batch["target_argmax"][i, :n] = record["target_argmax"][:n]
+        return batch
+
+
+class DrafterTrainer(Trainer):
+    """Trainer whose loss is the drafter objective; logs the DFlash/DCOCO parts; exports a loadable drafter folder."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        if self.state.global_step % max(self.args.logging_steps, 1) == 0 and model.training:
+            parts = {"dflash_loss": float(outputs["dflash"])}
+            if outputs["dcoco"] is not None:
+                parts["dcoco_loss"] = float(outputs["dcoco"])
+            accuracy = outputs["slot_accuracy"]
+            parts["slot1_acc"], parts["slot_mean_acc"] = float(accuracy[0]), float(accuracy.mean())
+            self._parts = parts
+        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        logs.update(getattr(self, "_parts", {}))
+        super().log(logs, *args, **kwargs)
+
+    def export_drafter(self, folder: str | Path) -> None:
+        """Write the trained drafter as a Hub-ready folder (config with auto_map, safetensors, code files)."""
+        drafter = self.accelerator.unwrap_model(self.model).drafter
+        if self.is_world_process_zero():
+            drafter.save_pretrained(folder)

@@ -1,0 +1,51 @@
+"""Regenerate drafter training data: the target answers held-out-safe prompts greedily (resumable).
+
+    python scripts/regenerate_data.py --out data/smollm2 --code 480 --chat 320
+
+Prompts: documented Python stdlib functions ("complete the function") and questions the target writes itself.
+Never HumanEval or MT-Bench, which stay held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from dcoco_hf.assets import load_default_target
+from dcoco_hf.training.data import regenerate, self_instruct_prompts, stdlib_code_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--code", type=int, default=480, help="number of stdlib code prompts")
+    parser.add_argument("--chat", type=int, default=320, help="number of self-instruct chat prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    if args.target is None:
+        target, tokenizer = load_default_target()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target, tokenizer = AutoModelForCausalLM.from_pretrained(args.target).eval(), AutoTokenizer.from_pretrained(args.target)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts_file = args.out / "prompt_sources.json"
+    if prompts_file.exists():  # resume with exactly the same prompts
+        prompts = json.loads(prompts_file.read_text())
+    else:
+        chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
+        prompts = stdlib_code_prompts(args.code, seed=args.seed) + chat
+        prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed))]
+        prompts_file.write_text(json.dumps(prompts, indent=0))
+    regenerate(target, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size)
+
+
+if __name__ == "__main__":
+    main()

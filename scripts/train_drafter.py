@@ -1,0 +1,97 @@
+"""Train a DCOCO drafter with transformers.Trainer (resumable; `accelerate launch` works unchanged).
+
+Stage 1 (DFlash backbone, corrector frozen at zero):
+    python scripts/train_drafter.py --stage 1 --data data/smollm2 --features data/smollm2-features \
+        --output runs/stage1 --layers 1 --block-size 16 --epochs 2
+Stage 2 (joint DFlash + DCOCO), from the stage-1 drafter:
+    python scripts/train_drafter.py --stage 2 --init runs/stage1/final --data data/smollm2 \
+        --features data/smollm2-features --output runs/stage2 --epochs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from dcoco_hf import DCOCODrafter
+from dcoco_hf.assets import default_target_path
+from dcoco_hf.training.data import cache_target_features, load_shards
+from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, choices=(1, 2), required=True)
+    p.add_argument("--data", type=Path, required=True, help="folder written by scripts/regenerate_data.py")
+    p.add_argument("--features", type=Path, default=None, help="cache target features here (built if missing)")
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--init", default=None, help="drafter folder to start from (required for stage 2)")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layers-read", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--num-anchors", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=640)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; fp16 overflows in fc)")
+    p.add_argument("--save-steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    target_path = args.target or default_target_path()
+    target = AutoModelForCausalLM.from_pretrained(target_path).eval().requires_grad_(False)
+    if args.init:
+        drafter = DCOCODrafter.from_pretrained(args.init).attach(target)
+    elif args.stage == 2:
+        raise SystemExit("--stage 2 starts from a stage-1 drafter: pass --init runs/stage1/final")
+    else:
+        drafter = DCOCODrafter.from_target(
+            target, num_hidden_layers=args.layers, block_size=args.block_size, top_k=args.top_k,
+            num_target_layers_read=args.target_layers_read,
+        )
+    source = args.data
+    if args.features is not None:
+        source = cache_target_features(target, drafter.config.target_layer_ids, args.data, args.features)
+    records = load_shards(source)
+    if "context_states" in records[0] and records[0]["context_states"].shape[-1] != drafter.fc.in_features:
+        raise SystemExit(f"{args.features} holds features of other target layers; use a fresh --features folder")
+
+    training_args = TrainingArguments(
+        output_dir=str(args.output), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
+        warmup_ratio=0.04, max_grad_norm=1.0, num_train_epochs=args.epochs, max_steps=args.max_steps,
+        weight_decay=0.0, logging_steps=10, save_steps=args.save_steps, save_total_limit=2, bf16=args.bf16,
+        report_to=[], remove_unused_columns=False, dataloader_num_workers=0, seed=args.seed,
+        save_safetensors=True, disable_tqdm=False,
+    )
+    model = DrafterTrainingModel(drafter, target, stage=args.stage, num_anchors=args.num_anchors)
+    pad = target.generation_config.pad_token_id or 0
+    trainer = DrafterTrainer(
+        model=model, args=training_args, train_dataset=records,
+        data_collator=DrafterCollator(pad_token_id=pad, max_length=args.max_length),
+    )
+    start = time.time()
+    last = get_last_checkpoint(str(args.output)) if args.output.exists() else None
+    trainer.train(resume_from_checkpoint=last)
+    trainer.export_drafter(args.output / "final")
+    summary = {"stage": args.stage, "wall_seconds": time.time() - start, "records": len(records),
+               "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:]}
+    (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

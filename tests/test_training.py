@@ -1,0 +1,101 @@
+"""Training pieces: the packed block mask, anchor sampling, DCOCO labels, and the Trainer pipeline end to end."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_target
+from transformers import TrainingArguments
+
+from dcoco_hf import DCOCODrafter
+from dcoco_hf.training import pack_blocks, sample_anchors, transition_labels
+from dcoco_hf.training.data import cache_target_features, load_shards
+from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
+
+
+def test_block_mask_sees_context_before_anchor_and_own_block_only():
+    ids = torch.arange(10)[None]
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    anchors = torch.tensor([[2, 6]])
+    blocks = pack_blocks(ids, loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool), 4, mask_token_id=99)
+    mask = blocks.attention_mask[0, 0]  # [8, 10 + 8]
+    assert blocks.block_ids.tolist() == [[2, 99, 99, 99, 6, 99, 99, 99]]  # slot 0 embeds the anchor
+    assert mask[:4, :10].tolist() == [[j < 2 for j in range(10)]] * 4
+    assert mask[4:, :10].tolist() == [[j < 6 for j in range(10)]] * 4
+    assert mask[:4, 10:].tolist() == [[True] * 4 + [False] * 4] * 4
+    assert mask[4:, 10:].tolist() == [[False] * 4 + [True] * 4] * 4
+    assert blocks.labels.tolist() == [[[3, 4, 5], [7, 8, 9]]]
+    assert blocks.position_ids[0, 10:].tolist() == [2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_labels_past_the_end_or_outside_the_response_are_masked():
+    ids = torch.arange(8)[None]
+    loss_mask = torch.tensor([[False, False, False, True, True, True, True, True]])
+    blocks = pack_blocks(ids, loss_mask, torch.tensor([[2, 5]]), torch.tensor([[True, True]]), 4, 99)
+    assert blocks.label_mask.tolist() == [[[True, True, True], [True, True, False]]]
+
+
+def test_anchors_lie_before_response_tokens():
+    loss_mask = torch.zeros(3, 20, dtype=torch.bool)
+    loss_mask[:, 12:] = True
+    loss_mask[2] = False
+    anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(0))
+    assert valid[:2].all() and not valid[2].any()
+    assert ((anchors[:2] >= 11) & (anchors[:2] <= 18)).all()
+    assert (anchors[:2].diff(dim=1) > 0).all()
+
+
+def test_transition_labels_need_both_tokens_in_top_k():
+    candidates = torch.tensor([[[5, 6], [7, 8], [9, 10]]])  # [1, S=3, K=2]
+    argmax = torch.tensor([[6, 7, 11]])
+    index, usable = transition_labels(candidates, argmax, torch.ones(1, 3, dtype=torch.bool))
+    assert index[0, 0] == 1 * 2 + 0 and usable.tolist() == [[True, False]]
+
+
+def _records(target, n=12, length=30):
+    prompts = torch.randint(0, target.config.vocab_size, (n, 5), generator=torch.Generator().manual_seed(1))
+    seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=length, do_sample=False)
+    mask = torch.zeros_like(seqs, dtype=torch.bool)
+    mask[:, 5:] = True
+    return [{"input_ids": s.to(torch.int32), "loss_mask": m} for s, m in zip(seqs, mask)]
+
+
+def _trainer(model, tmp_path, steps, **kw):
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps, learning_rate=3e-3,
+        logging_steps=1, save_steps=2, report_to=[], remove_unused_columns=False, use_cpu=True, **kw,
+    )
+    return DrafterTrainer(model=model, args=args, train_dataset=model._records, data_collator=DrafterCollator())
+
+
+def test_trainer_stages_resume_and_export(tmp_path):
+    target = make_target("qwen3")
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=6, top_k=4)
+    records = _records(target)
+    torch.save(records, tmp_path / "shard-00000.pt")
+    features = cache_target_features(target, drafter.config.target_layer_ids, tmp_path, tmp_path / "features")
+    cached = load_shards(features)
+    width = 32 * len(drafter.config.target_layer_ids)
+    assert cached[0]["context_states"].shape == (len(records[0]["input_ids"]), width)
+
+    # stage 1, online target context: the corrector stays at zero, the backbone learns
+    model = DrafterTrainingModel(drafter, target, stage=1, num_anchors=4)
+    model._records = records
+    fc_before = drafter.fc.weight.clone()
+    _trainer(model, tmp_path / "s1", steps=4).train()
+    assert not torch.equal(fc_before, drafter.fc.weight)
+    assert drafter.corrector.delta_out.weight.abs().sum() == 0
+    assert (tmp_path / "s1" / "checkpoint-4" / "model.safetensors").exists()
+
+    # stage 2 from cached features: the corrector learns; a resumed run continues from the checkpoint
+    model2 = DrafterTrainingModel(drafter, target, stage=2, num_anchors=4)
+    model2._records = cached
+    trainer = _trainer(model2, tmp_path / "s2", steps=2)
+    trainer.train()
+    assert drafter.corrector.delta_out.weight.abs().sum() > 0
+    resumed = _trainer(model2, tmp_path / "s2", steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "s2" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    resumed.export_drafter(tmp_path / "final")
+    reloaded = DCOCODrafter.from_pretrained(tmp_path / "final").attach(target)
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
