@@ -118,6 +118,7 @@ class TargetTap:
             handle.remove()
         self.listening = False
 
+    @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
     def _on_start(self, module, args, kwargs) -> None:
         if not self.listening:
             return
@@ -126,15 +127,17 @@ class TargetTap:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         # Rows are aligned by their index in the token sequence (= tokens already in the target's cache), not by
         # RoPE position, which skips padding holes.
-        start = cache.get_seq_length() if cache is not None else 0
+        start = int(cache.get_seq_length()) if cache is not None else 0  # a static cache returns a live tensor
         self._current = {"ids": ids, "start": start, "states": {}, "t0": time.perf_counter()}
 
+    @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
     def _on_layer(self, layer_id: int, module, args, kwargs, output) -> None:
         current = self._current
         if current is None:
             return
         current["states"][layer_id] = (output[0] if isinstance(output, tuple) else output).detach()
 
+    @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
     def _on_end(self, module, args, kwargs, output) -> None:
         current, self._current = self._current, None
         if current is None:
@@ -300,8 +303,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self._finish_cycle(sequences[0])
             self._book_coverage(sequences[0])
             self._closed_at = sequences.shape[1]
-        self.stats.target_forwards = self.tap.forward_count
-        self.stats.target_seconds = self.tap.seconds
+            self.stats.target_forwards = self.tap.forward_count
+            self.stats.target_seconds = self.tap.seconds
+            self.tap.listening = False  # the call is over: plain use of the target records nothing more
 
     # ------------------------------------------------------------------ internals
 
@@ -341,7 +345,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 "generate with."
             )
         new = committed.shape[0] - length
-        accepted = max(0, min(new - 1, drafted))
+        # Every target forward commits one token of its own. Only the first one after the draft verified it; more
+        # follow only at the end of a call, when transformers has stopped drafting (no room left for a draft).
+        accepted = max(0, min(new - (self.tap.forward_count - forwards_before), drafted))
         stats = self.stats
         stats.cycles += 1
         stats.committed_tokens += new
@@ -355,6 +361,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         length, _, forwards_before, _ = self._pending_cycle or (0, 0, self.tap.forward_count, None)
         last = self._last_committed
         later_starts = self.tap.forward_starts[forwards_before:]
+        if forwards_before == 0:
+            # The call's first draft precedes its prefill, which verifies it and starts where the prompt cache ends.
+            later_starts = later_starts[1:]
         same = (
             last is not None
             and sequence.shape[0] >= last.shape[0]

@@ -71,8 +71,6 @@ class DCOCOConfig(PreTrainedConfig):
     corrector_hidden: int = 256
     selection: str = "greedy"
     geometric_lambda: float = 0.75
-    # Declared so transformers 5 does not mistake it for a sampling setting (it refuses to save those in a config).
-    top_k: int = 16
 
     def __init__(
         self,

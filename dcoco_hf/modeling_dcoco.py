@@ -14,12 +14,15 @@ its target once; `target.generate(**inputs, assistant_model=drafter)` then specu
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -423,7 +426,16 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         reproduces their argmax proposals exactly.
         """
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
+            source = str(args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+            files = sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else []
+            raise OSError(
+                f"Cannot read the drafter weights in {', '.join(files) or source} ({error}): the file is truncated "
+                "or corrupt, e.g. by an interrupted download or save. Delete it, then download or save the checkpoint "
+                "again."
+            ) from error
         missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
         if missing:
             raise ValueError(
@@ -475,7 +487,8 @@ def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
         )
     text = tcfg.get_text_config()
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    recurrent = sorted(layer_types - {"full_attention", "sliding_attention", "chunked_attention"})
+    # `conv` (LFM2-style short convolutions) keeps no recurrent state: transformers 5.24 crops it like attention.
+    recurrent = sorted(layer_types - {"full_attention", "sliding_attention", "chunked_attention", "conv"})
     if recurrent:
         raise ValueError(
             f"The target has {recurrent} layers whose cache cannot be cropped after a rejected draft; speculative "

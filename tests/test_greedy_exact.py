@@ -129,3 +129,18 @@ def test_transformers_dflash_path_same_weights(fitted):
             ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, speculation_type="dflash"
         )
         assert got.tolist() == expected.tolist()
+
+
+def test_static_cache_same_output_and_same_drafts(fitted):
+    """With transformers' static cache (the GPU path) output stays exact and the drafter sees the same context."""
+    target, drafter = fitted
+    for seed in range(3):
+        ids = _prompt(600 + seed, 6, target.config.vocab_size)
+        expected = target.generate(ids, max_new_tokens=30, do_sample=False)
+        dynamic = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+        accepted_dynamic = drafter.generation_stats(dynamic).accepted
+        static = target.generate(
+            ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, cache_implementation="static"
+        )
+        assert static.tolist() == expected.tolist() == dynamic.tolist()
+        assert drafter.generation_stats(static).accepted == accepted_dynamic

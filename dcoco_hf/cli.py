@@ -1,0 +1,483 @@
+"""The `dcoco-hf` command line (also `python -m dcoco_hf`).
+
+    dcoco-hf generate "Write a haiku about the sea."      # stream a DCOCO answer, then compare with plain generate
+    dcoco-hf bench --suite humaneval,mtbench --limit 10   # all methods, interleaved, table + --json + --plots
+
+Defaults: target SmolLM2-135M-Instruct (built once from its PyPI wheel, see `assets.py`), drafter the one shipped in
+`model_cards/dcoco-smollm2-135m`. Every argument is checked before any model is loaded, so bad input fails at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TextStreamer
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from . import __version__
+from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from .bench import (
+    DRAFTER_METHODS,
+    METHODS,
+    BenchSettings,
+    MethodRunner,
+    PromptItem,
+    RunRecord,
+    build_report,
+    encode_prompt,
+    format_report,
+    run_bench,
+)
+from .modeling_dcoco import DCOCODrafter
+from .plots import require_matplotlib, write_plots
+
+DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
+DEFAULT_SUITES = "humaneval,mtbench"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
+
+class CLIError(Exception):
+    """A problem the user can fix; main() prints it without a traceback. exit_code 2: bad input, 1: environment."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument parsing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dcoco-hf",
+        description="Lossless speculative decoding for Hugging Face transformers: DFlash drafter + DCOCO corrector.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _common_options()
+
+    gen = commands.add_parser(
+        "generate",
+        parents=[common],
+        help="stream a DCOCO answer to one prompt, then compare speed and output with plain generate()",
+        description="Streams the DCOCO-accelerated answer, then runs plain generate() on the same prompt and prints "
+        "tau, the measured speedup and whether both outputs are identical.",
+    )
+    gen.add_argument("prompt", help="the user message (sent through the target's chat template)")
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    gen.add_argument("--warmup", type=int, default=1,
+                     help="short untimed runs of both methods first, so one-off start-up costs do not skew the "
+                     "comparison (default 1)")
+    gen.set_defaults(handler=cmd_generate)
+
+    bench = commands.add_parser(
+        "bench",
+        parents=[common],
+        help="benchmark vanilla, prompt lookup, DFlash and DCOCO variants on prompt suites",
+        description="Runs the methods interleaved (for each prompt every method once, order rotated per prompt) "
+        "and reports tokens/s, speedup over vanilla, tau, acceptance and (greedy) exactness.",
+    )
+    bench.add_argument("--methods", default=",".join(METHODS),
+                       help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    bench.add_argument("--suite", default=None,
+                       help=f"comma-separated prompt suites from {','.join(SUITES)} (default: "
+                       f"{DEFAULT_SUITES} unless --prompts is given)")
+    bench.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                       help='extra prompts, one {"prompt": "..."} object per line; reported as a suite named after '
+                       "the file")
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    bench.add_argument("--block-size", type=int, default=None,
+                       help="draft block size for this run (anchor + B-1 drafted tokens); at most the block size the "
+                       "drafter was trained with. A shorter block only drops trailing mask slots, which carry no "
+                       "token information, so the kept slots predict much as before; a longer one would ask for "
+                       "slots the drafter never learned, so it is refused. "
+                       "Useful where verifying a long block is expensive (CPU).")
+    bench.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                       help="target KV cache: dynamic (default) or static (the GPU/torch.compile path)")
+    bench.add_argument("--warmup", type=int, default=1,
+                       help="untimed rounds of every method before measuring (default 1)")
+    bench.add_argument("--json", default=None, metavar="OUT.json", help="write the full results as JSON")
+    bench.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
+    bench.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=None,
+                        help="target model: local folder or Hub id (default: SmolLM2-135M-Instruct from PyPI)")
+    common.add_argument("--drafter", default=None,
+                        help="drafter: local folder or Hub id (default: the shipped "
+                        f"model_cards/{DEFAULT_DRAFTER_NAME})")
+    common.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    common.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    common.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
+    common.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="model dtype (default auto: bfloat16 on GPU, float32 on CPU)")
+    common.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default=None,
+                        help="attention implementation (default: flash_attention_2 on GPU when flash_attn is "
+                        "installed, else sdpa)")
+    common.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
+    return common
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `dcoco-hf` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.handler(args)
+    except CLIError as err:
+        print(f"dcoco-hf {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks that need no model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise CLIError(f"unknown method(s) {unknown or [text]} in --methods; choose from {','.join(METHODS)}")
+    return methods
+
+
+def parse_suites(text: str) -> list[str]:
+    suites = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown or not suites:
+        raise CLIError(f"unknown suite(s) {unknown or [text]} in --suite; choose from {','.join(SUITES)}")
+    return suites
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 2:
+        raise CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens to draft")
+    if args.temperature < 0:
+        raise CLIError(f"--temperature {args.temperature} is negative; use 0 for greedy or a positive value")
+    if args.warmup < 0:
+        raise CLIError(f"--warmup {args.warmup} is negative")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads {args.threads}: need at least 1")
+    for option, value in (("--target", args.target), ("--drafter", args.drafter)):
+        if value and _looks_like_path(value) and not Path(value).expanduser().exists():
+            raise CLIError(f"{option} {value}: no such folder (give a local model folder or a Hub id like org/name)")
+
+
+def _looks_like_path(value: str) -> bool:
+    """True for things that can only be a filesystem path, not a Hub id ("org/name")."""
+    return value.startswith((".", "/", "~")) or value.count("/") > 1 or (os.sep != "/" and os.sep in value)
+
+
+def default_drafter_path() -> Path:
+    """The drafter shipped with the package: `<repo>/model_cards/dcoco-smollm2-135m` next to a source checkout, or
+    `dcoco_hf/model_cards/...` inside an installed package."""
+    package_dir = Path(__file__).resolve().parent
+    candidates = [folder / "model_cards" / DEFAULT_DRAFTER_NAME for folder in (package_dir.parent, package_dir)]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+    raise CLIError(
+        f"the default drafter is missing: no {DEFAULT_DRAFTER_NAME} folder with a config.json at "
+        f"{' or '.join(str(c) for c in candidates)}. Pass --drafter FOLDER (or a Hub id) holding a DCOCO/DFlash "
+        "drafter trained for the target.",
+        exit_code=1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading models
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    drafter: DCOCODrafter | None
+    target_name: str
+    drafter_name: str | None
+    device: torch.device
+    dtype: torch.dtype
+    attn: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise CLIError(f"--device {name!r} is not a device ({err}); use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name}: this torch build sees no CUDA GPU; use --device cpu", exit_code=1)
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """sdpa by default; FlashAttention 2 on a GPU when the flash_attn package is importable and the dtype is half."""
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if requested == "flash_attention_2" and (device.type != "cuda" or not has_flash):
+        raise CLIError(
+            "--attn flash_attention_2 needs a CUDA device and the flash_attn package (pip install flash-attn); "
+            "use --attn sdpa otherwise"
+        )
+    if requested is not None:
+        return requested
+    if device.type == "cuda" and has_flash and dtype in (torch.bfloat16, torch.float16):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_models(args: argparse.Namespace, need_drafter: bool) -> Loaded:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    attn = resolve_attn(args.attn, device, dtype)
+    drafter_spec = None
+    if need_drafter:  # find the drafter before the slow target load, so a missing one fails at once
+        drafter_spec = args.drafter or str(default_drafter_path())
+    target, tokenizer, target_name = load_target(args.target, device, dtype, attn)
+    drafter = load_drafter(drafter_spec, target, device, dtype, attn) if need_drafter else None
+    return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
+
+
+def load_target(
+    spec: str | None, device: torch.device, dtype: torch.dtype, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    name = spec or str(default_target_path())
+    _log(f"loading target {name} ({dtype}, {attn}) on {device}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+    except OSError as err:
+        raise CLIError(f"could not load the target {name!r}: {err}", exit_code=1) from None
+    return model.to(device).eval(), tokenizer, name
+
+
+def load_drafter(
+    spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype, attn: str
+) -> DCOCODrafter:
+    _log(f"loading drafter {spec}")
+    try:
+        drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn)
+    except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
+        raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
+    drafter = drafter.to(device).eval()
+    try:
+        return drafter.attach(target)
+    except ValueError as err:
+        raise CLIError(f"the drafter {spec} does not fit the target: {err}") from None
+
+
+def _log(message: str) -> None:
+    print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _check_common(args)
+    loaded = load_models(args, need_drafter=True)
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    input_ids = encode_prompt(loaded.tokenizer, args.prompt).to(loaded.device)
+    with closing(MethodRunner(loaded.target, loaded.drafter, settings)) as runner:
+        if args.warmup:
+            _log("warming up")
+            for _ in range(args.warmup):
+                for method in ("dcoco", "vanilla"):
+                    runner.run(method, "warmup", 0, input_ids, max_new_tokens=min(8, args.max_new_tokens))
+        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        dcoco = runner.run("dcoco", "prompt", 0, input_ids, streamer=streamer)
+        _log("running plain generate() on the same prompt for comparison")
+        plain = runner.run("vanilla", "prompt", 0, input_ids)
+    print()
+    print(generate_summary(dcoco, plain, dcoco.output == plain.output, settings.greedy))
+    return 0
+
+
+def generate_summary(dcoco: RunRecord, plain: RunRecord, identical: bool, greedy: bool) -> str:
+    """The lines printed after the streamed answer."""
+
+    def speed(record: RunRecord) -> str:
+        rate = record.new_tokens / record.seconds
+        return f"{record.new_tokens} new tokens in {record.seconds:.2f} s ({rate:.1f} tok/s)"
+
+    tau = dcoco.new_tokens / max(dcoco.acceptance.target_forwards, 1)
+    accepted = dcoco.acceptance.accepted
+    mean = sum(accepted) / len(accepted) if accepted else 0.0
+    if greedy:
+        same = "yes" if identical else "NO (please report this: greedy speculation must be exact)"
+    else:
+        same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
+    return "\n".join([
+        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} ({mean:.2f} draft tokens accepted per verification)",
+        f"plain generate: {speed(plain)}",
+        f"speedup {plain.seconds / dcoco.seconds:.2f}x over plain generate (same run); outputs identical: {same}",
+    ])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
+    """Prompt items of the requested suites and/or file, --limit applied per suite."""
+    if args.limit is not None and args.limit < 1:
+        raise CLIError(f"--limit {args.limit}: need at least 1 prompt per suite")
+    suites: dict[str, list[str]] = {}
+    if args.prompts is not None:
+        path = Path(args.prompts).expanduser()
+        if not path.is_file():
+            raise CLIError(f'--prompts {args.prompts}: no such file (expected a .jsonl file with a "prompt" per line)')
+        try:
+            suites[path.stem] = load_prompts_file(path)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CLIError(f"--prompts: {err}") from None
+        if not suites[path.stem]:
+            raise CLIError(f"--prompts {args.prompts} holds no prompts")
+    names = parse_suites(args.suite) if args.suite is not None else ([] if suites else parse_suites(DEFAULT_SUITES))
+    for name in names:
+        if name in suites:
+            raise CLIError(f"the prompts file {args.prompts} has the same name as suite {name!r}; rename the file")
+        try:
+            suites[name] = suite_prompts(name)
+        except RuntimeError as err:  # the wheel download failed; assets explains why
+            raise CLIError(f"could not fetch suite {name!r}: {err}", exit_code=1) from None
+    return [
+        PromptItem(suite, index, text)
+        for suite, texts in suites.items()
+        for index, text in enumerate(texts[: args.limit])
+    ]
+
+
+def apply_block_size(drafter: DCOCODrafter, block_size: int | None) -> int:
+    """Shorten the drafter's block for this process (never beyond what it was trained for); returns the block size."""
+    trained = drafter.config.block_size
+    if block_size is None:
+        return trained
+    if not 2 <= block_size <= trained:
+        raise CLIError(
+            f"--block-size {block_size}: must lie in [2, {trained}]; this drafter was trained with blocks of {trained} "
+            "and cannot predict slots beyond them"
+        )
+    drafter.config.block_size = block_size
+    # transformers reads the draft length from the assistant's generation config.
+    drafter.generation_config.num_assistant_tokens = block_size - 1
+    return block_size
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    _check_common(args)
+    methods = parse_methods(args.methods)
+    if args.block_size is not None and args.block_size < 2:
+        raise CLIError(f"--block-size {args.block_size}: a block needs the anchor plus at least one drafted token")
+    if args.plots is not None:  # checked now rather than after a long benchmark
+        try:
+            require_matplotlib()
+        except ImportError as err:
+            raise CLIError(str(err), exit_code=1) from None
+    prompts = collect_prompts(args)
+    loaded = load_models(args, need_drafter=bool(DRAFTER_METHODS & set(methods)))
+    trained_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
+    block_size = apply_block_size(loaded.drafter, args.block_size) if loaded.drafter is not None else None
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        warmup=args.warmup,
+        seed=args.seed,
+        static_cache=args.cache == "static",
+    )
+    _log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
+    records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
+    config = run_config(args, loaded, methods, prompts, block_size, trained_block)
+    report = build_report(records, methods, config)
+    print(format_report(report))
+    if args.json is not None:
+        path = Path(args.json).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        _log(f"wrote {path}")
+    if args.plots is not None:
+        for path in write_plots(report, args.plots):
+            _log(f"wrote {path}")
+    return 0
+
+
+def run_config(
+    args: argparse.Namespace,
+    loaded: Loaded,
+    methods: Sequence[str],
+    prompts: Sequence[PromptItem],
+    block_size: int | None,
+    trained_block: int | None,
+) -> dict[str, Any]:
+    """Everything needed to reproduce or compare a run."""
+    suites: dict[str, int] = {}
+    for item in prompts:
+        suites[item.suite] = suites.get(item.suite, 0) + 1
+    drafter = loaded.drafter
+    return {
+        "command_line": ["dcoco-hf", *args.argv],
+        "target": loaded.target_name,
+        "drafter": loaded.drafter_name,
+        "methods": list(methods),
+        "suites": suites,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "block_size": block_size,
+        "trained_block_size": trained_block,
+        "top_k": drafter.config.top_k if drafter is not None else None,
+        "selection": drafter.config.selection if drafter is not None else None,
+        "device": str(loaded.device),
+        "device_name": (
+            torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else platform.processor()
+        ),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "attn_implementation": loaded.attn,
+        "cache": args.cache,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dcoco_hf": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+__all__ = ["CLIError", "build_parser", "default_drafter_path", "main"]

@@ -1,0 +1,292 @@
+"""Smoke tests of the `dcoco-hf` command line (generate, bench, --json, --plots, errors) on tiny random models.
+
+The CLI runs in-process through `cli.main(argv)` (a subprocess would re-import torch each time); one test runs
+`python -m dcoco_hf` for the entry point, and the slow test runs the installed `dcoco-hf` script on the real target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import _FITTED, VOCAB, fit_drafter, make_target
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from dcoco_hf import DCOCODrafter, cli
+from dcoco_hf.bench import METHODS, BenchSettings, MethodRunner, rotated
+from dcoco_hf.plots import PLOT_FILES
+
+SPECULATIVE = [m for m in METHODS if m != "vanilla"]
+SUMMARY_KEYS = {
+    "tau", "tokens_per_s", "speedup", "equal_to_vanilla", "accept_hist", "per_slot_accept", "coverage_top1",
+    "coverage_topk", "corrector_share", "new_tokens", "seconds", "prompts",
+}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over the tiny target's vocabulary, with a ChatML-like chat template."""
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant"] + [f"w{i}" for i in range(VOCAB - 5)]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def run_cli(*argv: str) -> SimpleNamespace:
+    """Run `dcoco-hf argv...` in-process; returns exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return SimpleNamespace(code=code, out=out.getvalue(), err=err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> SimpleNamespace:
+    """Saved folders of a tiny llama target (with tokenizer) and a drafter fitted to it, plus a prompts file."""
+    root = tmp_path_factory.mktemp("tiny")
+    if "llama" not in _FITTED:  # share the fitting (the slow part) with the other test modules of the session
+        target = make_target("llama")
+        _FITTED["llama"] = (target, fit_drafter(target))
+    target, drafter = _FITTED["llama"]
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    drafter.save_pretrained(root / "drafter")
+    prompts = root / "prompts.jsonl"
+    lines = [json.dumps({"prompt": " ".join(f"w{(7 * i + j) % 40}" for j in range(5)), "id": i}) for i in range(3)]
+    prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    model_args = ["--target", root / "target", "--drafter", root / "drafter"]
+    return SimpleNamespace(root=root, prompts=prompts, model_args=model_args)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny) -> SimpleNamespace:
+    """One greedy bench of every method, with --json and --plots, shared by the tests that inspect it."""
+    json_path, plots = tiny.root / "bench.json", tiny.root / "plots"
+    result = run_cli(
+        "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 2, "--max-new-tokens", 8, "--warmup", 0,
+        "--json", json_path, "--plots", plots,
+    )
+    assert result.code == 0, result.err
+    result.report = json.loads(json_path.read_text())
+    result.plots = plots
+    return result
+
+
+def test_bench_json_schema(bench_run, tiny):
+    report = bench_run.report
+    assert set(report) >= {"methods", "suites", "config"}
+    assert list(report["methods"]) == list(METHODS)
+    assert list(report["suites"]) == ["prompts"]  # a --prompts file is a suite named after the file
+    for summaries in (report["methods"], report["suites"]["prompts"]):
+        for name, summary in summaries.items():
+            assert SUMMARY_KEYS <= set(summary), name
+            assert summary["prompts"] == 2  # --limit 2 of the 3 prompts in the file
+            assert summary["new_tokens"] == 16
+    config = report["config"]
+    for key in ("command_line", "target", "drafter", "block_size", "device", "dtype", "torch", "transformers"):
+        assert key in config, key
+    assert config["block_size"] == config["trained_block_size"] == 8
+    assert config["device"] == "cpu" and config["dtype"] == "float32"
+    assert config["command_line"][:2] == ["dcoco-hf", "bench"]
+    assert len(report["runs"]) == 2 * len(METHODS)
+
+
+def test_bench_greedy_is_exact_and_stats_are_sane(bench_run):
+    methods = bench_run.report["methods"]
+    vanilla = methods["vanilla"]
+    assert vanilla["speedup"] == pytest.approx(1.0) and vanilla["tau"] == 1.0 and vanilla["accept_hist"] == {}
+    for name in SPECULATIVE:
+        summary = methods[name]
+        assert summary["equal_to_vanilla"] == 1.0, name
+        assert summary["tau"] >= 1.0 and summary["speedup"] > 0
+    for name in ("dflash", "dcoco", "dcoco-viterbi", "dcoco-geometric"):
+        assert len(methods[name]["per_slot_accept"]) == 7  # block 8 = 7 drafted slots
+        assert all(key.isdigit() for key in methods[name]["accept_hist"])
+    for name in ("dcoco", "dcoco-viterbi", "dcoco-geometric"):
+        summary = methods[name]
+        assert len(summary["coverage_top1"]) == len(summary["coverage_topk"]) == 7
+        assert all(t1 <= tk for t1, tk in zip(summary["coverage_top1"], summary["coverage_topk"]) if t1 is not None)
+        assert 0 < summary["corrector_share"] < 1
+    for name in ("vanilla", "prompt_lookup", "dflash"):
+        assert methods[name]["coverage_top1"] is None and methods[name]["corrector_share"] is None
+
+
+def test_bench_table_on_stdout(bench_run):
+    assert "== suite prompts" in bench_run.out and "== overall" in bench_run.out
+    for name in METHODS:
+        assert name in bench_run.out
+
+
+def test_bench_plots(bench_run):
+    for name in PLOT_FILES:
+        path = bench_run.plots / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_forward_trace_agrees_with_dcoco_stats(tiny):
+    """The method-neutral acceptance measurement (target forward trace) matches the DCOCO engine's own books."""
+    target = AutoModelForCausalLM.from_pretrained(tiny.root / "target").eval()
+    drafter = DCOCODrafter.from_pretrained(tiny.root / "drafter").eval().attach(target)
+    runner = MethodRunner(target, drafter, BenchSettings(max_new_tokens=40))
+    accepted = 0
+    for seed in range(4):
+        ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed))
+        record = runner.run("dcoco", "random", seed, ids)
+        trace, stats = record.acceptance, record.dcoco
+        assert trace.target_forwards == stats.target_forwards
+        assert record.new_tokens == stats.committed_tokens
+        assert trace.accepted == stats.accepted
+        assert trace.slot_proposed == stats.slot_proposed and trace.slot_accepted == stats.slot_accepted
+        accepted += sum(trace.accepted)
+    assert accepted > 0  # not vacuous: drafts were accepted
+
+
+def test_bench_block_size_and_static_cache(tiny):
+    result = run_cli(
+        "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 2, "--max-new-tokens", 12, "--warmup", 1,
+        "--methods", "vanilla,prompt_lookup,dflash,dcoco", "--block-size", 4, "--cache", "static",
+        "--json", tiny.root / "static.json",
+    )
+    assert result.code == 0, result.err
+    report = json.loads((tiny.root / "static.json").read_text())
+    assert report["config"]["block_size"] == 4 and report["config"]["trained_block_size"] == 8
+    assert report["config"]["cache"] == "static"
+    for name in ("prompt_lookup", "dflash", "dcoco"):  # prompt lookup and DFlash overrun an exact-size static cache
+        assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
+    for name in ("dflash", "dcoco"):
+        assert len(report["methods"][name]["per_slot_accept"]) <= 3
+
+
+def test_bench_sampling_reports_no_equality(tiny):
+    result = run_cli(
+        "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 1, "--max-new-tokens", 6, "--warmup", 0,
+        "--methods", "vanilla,dcoco", "--temperature", 0.7, "--json", tiny.root / "sample.json",
+    )
+    assert result.code == 0, result.err
+    report = json.loads((tiny.root / "sample.json").read_text())
+    assert report["config"]["temperature"] == 0.7
+    assert all(summary["equal_to_vanilla"] is None for summary in report["methods"].values())
+    assert "sampling T=0.7" in result.out
+
+
+def test_generate_prints_tau_speedup_and_identity(tiny):
+    result = run_cli("generate", "w1 w2 w3 w4", *tiny.model_args, "--max-new-tokens", 12, "--warmup", 0)
+    assert result.code == 0, result.err
+    assert "tau " in result.out
+    assert "speedup " in result.out and "over plain generate" in result.out
+    assert "outputs identical: yes" in result.out
+    assert result.out.split("\n", 1)[0].startswith("w")  # the streamed answer comes first
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--methods", "vanilla,medusa"], "unknown method(s) ['medusa']"),
+        (["bench", "--suite", "gsm8k"], "unknown suite(s) ['gsm8k']"),
+        (["bench", "--prompts", "no/such/file.jsonl"], "no such file"),
+        (["bench", "--max-new-tokens", "1"], "at least 2 new tokens"),
+        (["bench", "--suite", "mtbench", "--limit", "0"], "--limit 0"),
+        (["generate", "hi", "--temperature", "-1"], "negative"),
+        (["bench", "--target", "./missing-model"], "no such folder"),
+    ],
+)
+def test_bad_arguments_fail_fast_with_clear_errors(argv, message):
+    result = run_cli(*argv)
+    assert result.code == 2
+    assert message in result.err, result.err
+    assert result.out == ""
+
+
+def test_bad_prompts_file_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n', encoding="utf-8")
+    result = run_cli("bench", "--prompts", path)
+    assert result.code == 2 and "line 2" in result.err
+
+
+def test_missing_default_drafter_says_pass_drafter(tiny, monkeypatch):
+    monkeypatch.setattr(cli, "DEFAULT_DRAFTER_NAME", "no-such-drafter")
+    result = run_cli("bench", "--target", tiny.root / "target", "--prompts", tiny.prompts, "--methods", "dcoco")
+    assert result.code == 1
+    assert "default drafter is missing" in result.err and "--drafter" in result.err
+
+
+def test_too_long_block_size_is_refused(tiny):
+    result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--methods", "dcoco", "--block-size", 9)
+    assert result.code == 2 and "trained with blocks of 8" in result.err
+
+
+def test_missing_matplotlib_names_the_extra(tiny, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "matplotlib" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    result = run_cli("bench", "--prompts", tiny.prompts, "--plots", tiny.root / "never")
+    assert result.code == 1 and "pip install dcoco-hf[plots]" in result.err
+    assert not (tiny.root / "never").exists()
+
+
+def test_methods_are_rotated_per_prompt():
+    orders = [rotated(METHODS, i) for i in range(len(METHODS))]
+    assert {order[0] for order in orders} == set(METHODS)
+    assert all(sorted(order) == sorted(METHODS) for order in orders)
+
+
+def test_python_m_entry_point():
+    result = subprocess.run(
+        [sys.executable, "-m", "dcoco_hf", "bench", "--methods", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "unknown method(s) ['nope']" in result.stderr and "vanilla,prompt_lookup,dflash" in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_real_default_target(tmp_path):
+    """`dcoco-hf bench` end to end through the installed console script, on SmolLM2 and both prompt suites."""
+    from dcoco_hf.assets import default_target_path
+
+    target_dir = default_target_path()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    DCOCODrafter.from_target(target).save_pretrained(tmp_path / "drafter")  # untrained: the shipped one may not exist
+    del target
+    script = Path(sys.executable).with_name("dcoco-hf")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "dcoco_hf"]
+    out = tmp_path / "real.json"
+    result = subprocess.run(
+        command + [
+            "bench", "--suite", "humaneval,mtbench", "--limit", "1", "--max-new-tokens", "16",
+            "--methods", "vanilla,dflash,dcoco", "--drafter", str(tmp_path / "drafter"), "--json", str(out),
+            # One thread: on a busy 2-core machine two OpenMP threads run this model several times slower.
+            "--threads", "1", "--warmup", "0",
+        ],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["suites"]) == ["humaneval", "mtbench"]
+    assert report["config"]["target"] == str(target_dir) and report["config"]["block_size"] == 16
+    for suite in report["suites"].values():
+        assert list(suite) == ["vanilla", "dflash", "dcoco"]
+        assert all(summary["prompts"] == 1 for summary in suite.values())
+    for name in ("dflash", "dcoco"):
+        assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
+    assert "== suite humaneval" in result.stdout and "== suite mtbench" in result.stdout
