@@ -1,0 +1,204 @@
+"""The DCOCO corrector: size, zero-start behaviour, the batched transition scores and the three walks."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import scrambled
+from torch.nn import functional as F
+
+from dcoco_hf import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from dcoco_hf.candidate_generator import DraftContextCache
+from dcoco_hf.training import target_context
+
+SELECTIONS = ("greedy", "viterbi", "geometric")
+
+
+# ---------------------------------------------------------------------------------------------------- size
+
+
+@pytest.mark.parametrize("hidden,expected", [(4096, 2_229_505), (2560, 1_443_073)])
+def test_parameter_count_matches_paper(hidden, expected):
+    corrector = DCOCOCorrector(hidden_size=hidden, rank=128, mlp_hidden=256)
+    assert sum(p.numel() for p in corrector.parameters()) == expected
+
+
+# ---------------------------------------------------------------------------------------------------- zero start
+
+
+def _contexts(target, drafter, rows: int = 4, length: int = 30, seed: int = 0):
+    """Committed sequences (the target's own greedy text after random prompts) and their tapped target states."""
+    prompts = torch.randint(0, target.config.vocab_size, (rows, 6), generator=torch.Generator().manual_seed(seed))
+    sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=length - 6,
+                                do_sample=False)
+    states, _ = target_context(target, drafter.config.target_layer_ids, sequences)
+    return sequences, states
+
+
+def _propose(drafter, sequences, states, cut: int, **kwargs):
+    """Draft after the first `cut` committed tokens of every row (anchor = token cut - 1, context = rows before)."""
+    block = drafter.config.block_size
+    positions = torch.arange(cut - 1 + block).expand(sequences.shape[0], -1)
+    return drafter.propose(sequences[:, cut - 1], states[:, : cut - 1], positions, DraftContextCache(), **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
+def test_fresh_corrector_reproduces_dflash_argmax(fitted):
+    """A new corrector (zero output layer) on a fitted drafter proposes exactly the DFlash argmax, for every walk."""
+    target, trained = fitted
+    drafter = copy.deepcopy(trained).attach(target)
+    cfg = drafter.config
+    drafter.corrector = DCOCOCorrector(cfg.hidden_size, cfg.corrector_rank, cfg.corrector_hidden)
+    assert not drafter.corrector.delta_out.weight.any() and not drafter.corrector.delta_out.bias.any()
+    noisy = scrambled(trained, seed=1)
+
+    sequences, states = _contexts(target, drafter)
+    changed = {selection: 0 for selection in SELECTIONS}
+    noisy_tokens: dict[str, list[torch.Tensor]] = {}
+    total = 0
+    for cut in range(2, sequences.shape[1] - 1, 2):
+        plain = _propose(drafter, sequences, states, cut, correct=False)
+        assert plain.transition_scores is None and not plain.chosen.any()
+        assert torch.equal(plain.tokens, plain.candidates[..., 0])
+        total += plain.tokens.numel()
+        for selection in SELECTIONS:
+            corrected = _propose(drafter, sequences, states, cut, selection=selection, correct=True)
+            assert corrected.transition_scores is not None
+            assert torch.equal(corrected.candidates, plain.candidates)
+            assert torch.equal(corrected.tokens, plain.tokens), (selection, cut)
+            assert not corrected.chosen.any()
+            # With Delta = 0 the scores are the successor's logits, so every walk picks each slot's argmax.
+            scores, first = corrected.transition_scores, corrected.candidate_logits[:, 0]
+            assert torch.equal(scores, corrected.candidate_logits[:, 1:, None, :].expand_as(scores))
+            for lam in (1.0, cfg.geometric_lambda, 0.05):
+                assert not viterbi_walk(scores, first, decay=lam).any()
+            # A corrector that does overrule the drafter: the comparison above can fail, and each selection is the
+            # walk it names, applied to the scores of that very proposal.
+            overruled = _propose(noisy, sequences, states, cut, selection=selection)
+            walked = select_candidates(selection, overruled.transition_scores, overruled.candidate_logits[:, 0],
+                                       cfg.geometric_lambda)
+            assert torch.equal(overruled.chosen, walked)
+            assert torch.equal(overruled.tokens, overruled.candidates.gather(-1, walked[..., None]).squeeze(-1))
+            changed[selection] += int((overruled.tokens != plain.tokens).sum())
+            noisy_tokens.setdefault(selection, []).append(overruled.tokens)
+    assert total >= 100
+    assert all(count > 0.1 * total for count in changed.values()), (changed, total)
+    greedy, viterbi = torch.cat(noisy_tokens["greedy"]), torch.cat(noisy_tokens["viterbi"])
+    assert not torch.equal(greedy, viterbi)  # the walks differ, so the checks above tell them apart
+
+
+# ---------------------------------------------------------------------------------------------------- scores
+
+
+def test_batched_scores_equal_naive_concatenation():
+    torch.manual_seed(0)
+    hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
+    corrector = DCOCOCorrector(hidden, rank, mlp).double()
+    with torch.no_grad():
+        for param in corrector.parameters():  # delta_out and the LayerNorm affine included
+            param.copy_(torch.randn(param.shape, dtype=torch.float64))
+    slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
+    embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
+    logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
+    batched = corrector(slot_hidden, embeds, logits)
+    assert batched.shape == (batch, slots - 1, k, k)
+
+    c = corrector
+    first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
+    assert first_w.shape == (mlp, 3 * rank + 2)
+
+    def z(b, i, a):  # z_i^a = LN_affine(W_fuse [LN(W_cand E[c]); LN(W_ctx h_i)])
+        cand = F.layer_norm(c.cand_proj.weight @ embeds[b, i, a], (rank,))
+        ctx = F.layer_norm(c.ctx_proj.weight @ slot_hidden[b, i], (rank,))
+        fused = c.fuse_proj.weight @ torch.cat([cand, ctx])
+        return F.layer_norm(fused, (rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
+
+    naive = torch.empty_like(batched)
+    for b, p, a, n in itertools.product(range(batch), range(slots - 1), range(k), range(k)):
+        s_p = c.pair_proj.weight @ torch.cat([slot_hidden[b, p], slot_hidden[b, p + 1]])
+        x = torch.cat([s_p, z(b, p, a), z(b, p + 1, n), logits[b, p, a, None], logits[b, p + 1, n, None]])
+        assert x.shape == (3 * rank + 2,)
+        delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
+        naive[b, p, a, n] = logits[b, p + 1, n] + delta.squeeze()
+    assert (naive - logits[:, 1:, None, :]).abs().min() > 1e-6  # Delta really is non-zero everywhere
+    torch.testing.assert_close(batched, naive, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------- walks
+
+
+def _brute_force(scores: torch.Tensor, first: torch.Tensor, decay: float) -> list[list[int]]:
+    batch, pairs, k, _ = scores.shape
+    best = []
+    for b in range(batch):
+        def total(path):
+            return float(first[b, path[0]]) + sum(decay**p * float(scores[b, p, path[p], path[p + 1]])
+                                                  for p in range(pairs))
+        best.append(list(max(itertools.product(range(k), repeat=pairs + 1), key=total)))
+    return best
+
+
+def _greedy_by_hand(scores: torch.Tensor) -> list[list[int]]:
+    out = []
+    for table in scores:
+        path = [0]
+        for p in range(table.shape[0]):
+            path.append(int(table[p, path[-1]].argmax()))
+        out.append(path)
+    return out
+
+
+def test_walks_on_hand_built_tables():
+    # Slot 1 candidates have logits [2.0, 1.0]. Greedy keeps candidate 0 at slot 1, then takes the locally best
+    # successor (0 -> 0, worth 5) and is stuck with a poor last transition (0 -> 1, worth 0.1): total 7.1.
+    # The global path 0 -> 1 -> 0 gives up 1 point early and gains 10 later: total 2 + 4 + 10 = 16.
+    first = torch.tensor([[2.0, 1.0]])
+    scores = torch.tensor([[
+        [[5.0, 4.0],    # S_0(a=0, .)
+         [0.0, 0.0]],   # S_0(a=1, .)
+        [[-1.0, 0.1],   # S_1(a=0, .)
+         [10.0, 0.0]],  # S_1(a=1, .)
+    ]])
+    assert prefix_first_walk(scores).tolist() == [[0, 0, 1]]
+    assert viterbi_walk(scores, first).tolist() == [[0, 1, 0]]
+    # Geometric with a small lambda weighs the early transition (weight 1) over the late one (weight lambda):
+    # 5 + 0.1 * lam vs 4 + 10 * lam, so it follows greedy for lam < 1/9.9 and the global path above it.
+    assert viterbi_walk(scores, first, decay=0.05).tolist() == [[0, 0, 1]]
+    assert viterbi_walk(scores, first, decay=0.2).tolist() == [[0, 1, 0]]
+    assert select_candidates("greedy", scores, first, 0.75).tolist() == [[0, 0, 1]]
+    assert select_candidates("viterbi", scores, first, 0.05).tolist() == [[0, 1, 0]]  # lambda is ignored
+    assert select_candidates("geometric", scores, first, 0.05).tolist() == [[0, 0, 1]]
+    assert select_candidates("geometric", scores, first, 0.75).tolist() == [[0, 1, 0]]
+
+    # Viterbi may even change slot 1 (greedy never does): candidate 1 there opens a transition worth 20.
+    first2 = torch.tensor([[1.0, 0.5]])
+    scores2 = torch.tensor([[
+        [[1.0, 0.0],
+         [20.0, 0.0]],
+        [[3.0, 0.0],
+         [0.0, 2.0]],
+    ]])
+    assert prefix_first_walk(scores2).tolist() == [[0, 0, 0]]
+    assert viterbi_walk(scores2, first2).tolist() == [[1, 0, 0]]
+    # A small lambda does not protect slot 1: the first transition always has weight 1 in the geometric walk.
+    assert viterbi_walk(scores2, first2, decay=0.05).tolist() == [[1, 0, 0]]
+
+    # Both tables in one batch: rows are walked independently.
+    batch_scores, batch_first = torch.cat([scores, scores2]), torch.cat([first, first2])
+    assert prefix_first_walk(batch_scores).tolist() == [[0, 0, 1], [0, 0, 0]]
+    assert viterbi_walk(batch_scores, batch_first).tolist() == [[0, 1, 0], [1, 0, 0]]
+    with pytest.raises(ValueError, match="unknown"):
+        select_candidates("beam", scores, first, 0.75)
+
+
+def test_walks_equal_brute_force_on_random_tables():
+    generator = torch.Generator().manual_seed(0)
+    for pairs, k in [(1, 3), (3, 4), (5, 3), (2, 5)]:
+        scores = torch.randn(6, pairs, k, k, generator=generator) * 3
+        first = torch.randn(6, k, generator=generator).sort(dim=-1, descending=True).values
+        assert prefix_first_walk(scores).tolist() == _greedy_by_hand(scores)
+        for decay in (1.0, 0.75, 0.3):
+            assert viterbi_walk(scores, first, decay=decay).tolist() == _brute_force(scores, first, decay), decay

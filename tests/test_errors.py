@@ -1,0 +1,201 @@
+"""Misuse fails early with a message naming the problem and the fix (or is pinned down where transformers decides)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, make_target
+from transformers.utils import logging as hf_logging
+
+from dcoco_hf import DCOCOConfig, DCOCODrafter
+
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+@pytest.fixture
+def drafter(target):
+    torch.manual_seed(0)
+    return DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+
+
+def _ids(length: int = 6, seed: int = 0) -> torch.LongTensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _llama(**overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 4, **overrides})
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+# ---------------------------------------------------------------------------------------------------- attach
+
+
+def test_hidden_size_mismatch(drafter):
+    wide = _llama(hidden_size=64, intermediate_size=128)
+    with pytest.raises(ValueError, match=r"Hidden size mismatch: the drafter is 32 wide, the target 64") as error:
+        drafter.attach(wide)
+    assert "DCOCODrafter.from_target(target)" in str(error.value)
+
+
+def test_vocab_mismatch(drafter):
+    with pytest.raises(ValueError, match=r"Vocabulary mismatch: the drafter expects 48 tokens.* has 64") as error:
+        drafter.attach(make_target("llama", vocab=64))
+    assert "Use the target the drafter was trained for" in str(error.value)
+
+
+def test_target_layer_ids_out_of_range_at_attach(target):
+    config = DCOCOConfig(**{k: v for k, v in TINY.items() if not k.endswith("token_id")}, num_hidden_layers=1,
+                         block_size=4, top_k=4, mask_token_id=VOCAB - 1, target_layer_ids=[1, 6])
+    drafter = DCOCODrafter(config)
+    with pytest.raises(ValueError, match=r"target_layer_ids=\[1, 6\] is out of range: the target has 4 decoder "
+                                         r"layers \(valid ids 0\.\.3\)") as error:
+        drafter.attach(target)
+    assert "use a matching one" in str(error.value)
+
+
+def test_target_layer_ids_out_of_range_in_config():
+    with pytest.raises(ValueError, match=r"out of range for a target with num_target_layers=36 \(valid: 0\.\.35\)"):
+        DCOCOConfig(target_layer_ids=[1, 9, 17, 25, 36], num_target_layers=36)
+    with pytest.raises(ValueError, match="negative layer index"):
+        DCOCOConfig(target_layer_ids=[-1, 3])
+    # The public Qwen3-8B layout is valid.
+    assert DCOCOConfig(target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36).target_layer_ids[-1] == 33
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_target(drafter, kind):
+    if kind == "t5":
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4, decoder_start_token_id=0))
+    else:
+        model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=4, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+    with pytest.raises(ValueError, match="is an encoder-decoder model; DCOCO drafters speculate for decoder-only "
+                                         r"causal LMs \(AutoModelForCausalLM\)"):
+        drafter.attach(model)
+
+
+def _qwen3_next():
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **TINY, num_hidden_layers=4, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, full_attention_interval=4))
+
+
+def _mamba():
+    return transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=4, expand=2, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None))
+
+
+@pytest.mark.parametrize("build", [_qwen3_next, _mamba], ids=["qwen3_next", "mamba"])
+def test_target_with_uncroppable_cache(drafter, build):
+    """Recurrent states cannot be rolled back after a rejected draft (transformers itself refuses them mid-generate)."""
+    model = build().eval()
+    with pytest.raises(ValueError, match=r"\['linear_attention'\] layers whose cache cannot be cropped after a "
+                                         "rejected draft; speculative decoding needs a croppable"):
+        drafter.attach(model)
+
+
+def test_short_convolution_hybrid_is_accepted(monkeypatch):
+    """LFM2's `conv` layers keep only convolution states, which transformers 5.24 crops: such targets must work.
+
+    An oracle drafter (the true continuation, spoiled from a slot that cycles through 0..S) makes transformers crop
+    the convolution states by every possible number of rejected tokens."""
+    torch.manual_seed(0)
+    lfm2 = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, full_attn_idxs=[1, 3], eos_token_id=None, bos_token_id=None, pad_token_id=None)).eval()
+    drafter = DCOCODrafter.from_target(lfm2, num_hidden_layers=1, block_size=4, top_k=4)
+    slots = drafter.config.block_size - 1
+    ids = _ids()
+    expected = lfm2.generate(ids, max_new_tokens=24, do_sample=False)
+    assert lfm2.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter).tolist() == expected.tolist()
+
+    propose, calls = DCOCODrafter.propose, []
+
+    def oracle(self, anchor_ids, context, position_ids, *args, **kwargs):
+        proposal = propose(self, anchor_ids, context, position_ids, *args, **kwargs)
+        start = int(position_ids[0, -self.config.block_size]) + 1  # position of the first drafted slot
+        truth = torch.cat([expected[0, start : start + slots], proposal.tokens[0]])[:slots]
+        spoil = len(calls) % (slots + 1)  # slots before `spoil` are right, the rest wrong
+        proposal.tokens = torch.where(torch.arange(slots) < spoil, truth, (truth + 1) % VOCAB)[None]
+        calls.append(spoil)
+        return proposal
+
+    monkeypatch.setattr(DCOCODrafter, "propose", oracle)
+    got = lfm2.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert got.tolist() == expected.tolist()
+    assert set(drafter.generation_stats(got).accepted) == set(range(slots + 1))
+
+
+# ---------------------------------------------------------------------------------------------------- generate
+
+
+def test_unattached_drafter_as_assistant(target, drafter):
+    fresh = DCOCODrafter(drafter.config)
+    copied = copy.deepcopy(drafter)  # copies carry weights, not the binding to a live target
+    for unattached in (fresh, copied):
+        with pytest.raises(RuntimeError, match=r"not attached to a target model\. Call `drafter\.attach\(target\)`"):
+            target.generate(_ids(), max_new_tokens=8, do_sample=False, assistant_model=unattached)
+
+
+def test_drafter_attached_elsewhere(drafter):
+    other = make_target("llama", seed=7)  # same shapes: nothing at attach time could tell them apart
+    with pytest.raises(RuntimeError, match=r"generate\(\) was called on a different model than the one this drafter "
+                                           r"is attached to\. Call `drafter\.attach\(model\)`"):
+        other.generate(_ids(), max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    # After re-attaching, the same drafter serves the other model exactly.
+    drafter.attach(other)
+    expected = other.generate(_ids(), max_new_tokens=20, do_sample=False)
+    got = other.generate(_ids(), max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    assert got.tolist() == expected.tolist()
+
+
+def test_batch_and_multiple_return_sequences(target, drafter):
+    """transformers' own checks; they name the problem (not a DCOCO-specific fix)."""
+    with pytest.raises(ValueError, match=r"assisted generate is only supported for batch_size = 1"):
+        target.generate(_ids().repeat(2, 1), max_new_tokens=8, do_sample=False, assistant_model=drafter)
+    with pytest.raises(ValueError, match="num_return_sequences has to be 1 when doing assisted generate"):
+        target.generate(_ids(), max_new_tokens=8, do_sample=True, num_return_sequences=2, assistant_model=drafter)
+
+
+def test_beam_search_ignores_the_assistant(target, drafter, monkeypatch):
+    """transformers 5.24 keeps beam search and silently drops the assistant (one logged warning): the output is plain
+    beam search and the drafter is never consulted. Pinned here so a change of that behaviour is noticed."""
+    calls = []
+    original = DCOCODrafter.generate
+    monkeypatch.setattr(DCOCODrafter, "generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = hf_logging.get_logger("transformers.generation.configuration_utils")
+    logger.addHandler(handler)
+    try:
+        got = target.generate(_ids(seed=3), max_new_tokens=10, num_beams=2, do_sample=False, assistant_model=drafter)
+    finally:
+        logger.removeHandler(handler)
+    assert got.tolist() == target.generate(_ids(seed=3), max_new_tokens=10, num_beams=2, do_sample=False).tolist()
+    assert got.tolist() != target.generate(_ids(seed=3), max_new_tokens=10, do_sample=False).tolist()
+    assert calls == []
+    assert any("assisted generate is only supported with Greedy Search and Sample" in r.getMessage() for r in records)
+
+
+def test_drafter_generate_directly(drafter):
+    with pytest.raises(TypeError, match=r"does not generate text by itself\. Use "
+                                        r"`target\.generate\(\*\*inputs, assistant_model=drafter\)`"):
+        drafter.generate(_ids(), max_new_tokens=5)
+    with pytest.raises(TypeError, match="does not generate text by itself"):
+        drafter.generate(_ids())
