@@ -3,11 +3,13 @@ contextual corrector.
 
     drafter = DCOCODrafter.from_pretrained(folder).attach(target)
     out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
+    batch = speculative_generate(target, **batch_inputs, drafter=drafter, max_new_tokens=256)  # left-padded batch
 """
 
 from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
 from .configuration_dcoco import DCOCOConfig
 from .corrector import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from .generation import SpeculativeOutput, speculative_generate
 from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
 
 DCOCOConfig.register_for_auto_class("AutoConfig")
@@ -22,9 +24,11 @@ __all__ = [
     "DCOCODrafter",
     "DCOCOStats",
     "DraftProposal",
+    "SpeculativeOutput",
     "TargetTap",
     "prefix_first_walk",
     "select_candidates",
+    "speculative_generate",
     "spread_layer_ids",
     "viterbi_walk",
 ]

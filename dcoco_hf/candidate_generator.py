@@ -71,6 +71,11 @@ class DraftContextCache:
         self.keys = [k[..., :length, :] for k in self.keys]
         self.values = [v[..., :length, :] for v in self.values]
 
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keep only batch rows `rows` (batched generation drops finished sequences)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
 
 @dataclass
 class TargetForward:

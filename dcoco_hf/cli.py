@@ -29,6 +29,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from . import __version__
 from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from .batch_bench import add_bench_batch_parser
 from .bench import (
     DRAFTER_METHODS,
     METHODS,
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write the full results as JSON")
     bench.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     bench.set_defaults(handler=cmd_bench)
+
+    add_bench_batch_parser(commands, common)
     return parser
 
 

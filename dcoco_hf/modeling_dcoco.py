@@ -217,9 +217,13 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         num_target_layers_read: int = 5,
         mask_token_id: int | None = None,
         intermediate_size: int | None = None,
+        init_from_target: bool = False,
         **config_kwargs: Any,
     ) -> "DCOCODrafter":
         """An untrained drafter sized for `target`, already attached to it.
+
+        `init_from_target=True` starts the drafter layers from the target's last decoder layers and the final norm
+        from the target's (where shapes agree): a warm start that matters when training compute is scarce.
 
         Reads `num_target_layers_read` target layers spread evenly from layer 1 to layer L-3 (the early and the
         last layers carry little about the next tokens). The mask token defaults to the last row of the target's
@@ -249,6 +253,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             **config_kwargs,
         )
         drafter = cls(config).to(device=target.device, dtype=target.dtype)
+        if init_from_target:
+            _copy_matching(target.get_decoder().layers[-num_hidden_layers:], drafter.layers)
+            _copy_matching(target.get_decoder().norm, drafter.norm)
         return drafter.attach(target)
 
     def attach(self, target: PreTrainedModel) -> "DCOCODrafter":
@@ -464,6 +471,15 @@ class _EngineHandle:
 
     def crop(self, max_length: int) -> None:
         return None
+
+
+@torch.no_grad()
+def _copy_matching(source: nn.Module, destination: nn.Module) -> None:
+    """Copy every parameter that exists under the same name and shape in both modules."""
+    theirs = dict(source.named_parameters())
+    for name, param in destination.named_parameters():
+        if name in theirs and theirs[name].shape == param.shape:
+            param.copy_(theirs[name])
 
 
 def spread_layer_ids(depth: int, count: int) -> list[int]:

@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--target-layers-read", type=int, default=5)
     p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--init-from-target", action="store_true", help="warm-start layers from the target's last ones")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -61,7 +62,7 @@ def main() -> None:
     else:
         drafter = DCOCODrafter.from_target(
             target, num_hidden_layers=args.layers, block_size=args.block_size, top_k=args.top_k,
-            num_target_layers_read=args.target_layers_read,
+            num_target_layers_read=args.target_layers_read, init_from_target=args.init_from_target,
         )
     source = args.data
     if args.features is not None:
@@ -73,10 +74,10 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=str(args.output), per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
-        warmup_ratio=0.04, max_grad_norm=1.0, num_train_epochs=args.epochs, max_steps=args.max_steps,
+        warmup_steps=0.04, max_grad_norm=1.0, num_train_epochs=args.epochs, max_steps=args.max_steps,
         weight_decay=0.0, logging_steps=10, save_steps=args.save_steps, save_total_limit=2, bf16=args.bf16,
         report_to=[], remove_unused_columns=False, dataloader_num_workers=0, seed=args.seed,
-        save_safetensors=True, disable_tqdm=False,
+        disable_tqdm=False,
     )
     model = DrafterTrainingModel(drafter, target, stage=args.stage, num_anchors=args.num_anchors)
     pad = target.generation_config.pad_token_id or 0

@@ -1,0 +1,352 @@
+"""Batched speculative decoding (`speculative_generate`) is lossless on ragged, left-padded batches.
+
+Greedy: token for token equal to plain batched `target.generate()` on the same batch (fp32, tiny Llama and Qwen3
+targets, fitted and scrambled-corrector drafters, batch sizes 1-8, mixed prompt lengths, rows ending on EOS at
+different times, budgets around the block boundary), with rows accepting different numbers of drafts in the same
+cycle, and packing the holes out of the caches changes nothing. Sampling: the empirical distribution of a batch of
+samples matches the exact one (enumerated) within the iid noise floor, and a deliberately wrong verification rule is
+caught by the same check. Plus smoke tests of the batch-size benchmark (function and CLI) and the GPU script (--tiny).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, make_target, scrambled
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import dcoco_hf.generation as generation
+from dcoco_hf import DCOCODrafter, SpeculativeOutput, speculative_generate
+
+PAD = 0
+
+
+def left_padded(seed: int, lengths: list[int], vocab: int = VOCAB) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Random prompts of the given lengths, left-padded with PAD: (input_ids [B, L], attention_mask [B, L])."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def ragged_cycles(stats) -> int:
+    """Cycles in which rows that were all still active accepted different numbers of drafts."""
+    depth = min(len(s.accepted) for s in stats)
+    return sum(len({s.accepted[c] for s in stats}) > 1 for c in range(depth))
+
+
+# (seed, prompt lengths, max_new_tokens): batch sizes 1..8, block 8 = 7 drafted slots
+CASES = [
+    (0, [6], 7), (1, [3, 9], 8), (2, [6, 1, 12], 6), (3, [5, 5, 2, 8], 15),
+    (4, [4, 7, 1, 9, 3], 9), (5, [2, 11, 6, 6, 3, 8], 22), (6, [1, 2, 3, 4, 5, 6, 7], 14),
+    (7, [9, 4, 6, 2, 12, 5, 7, 3], 40),
+]
+_RAGGED: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("seed,lengths,max_new_tokens", CASES)
+@pytest.mark.parametrize("variant", ["fitted", "scrambled"])
+def test_greedy_batch_equals_plain_generate(fitted, arch, variant, seed, lengths, max_new_tokens):
+    target, drafter = fitted
+    if variant == "scrambled":
+        drafter = scrambled(drafter, seed=seed)
+    ids, mask = left_padded(seed, lengths)
+    common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
+    expected = target.generate(ids, **common)
+    got = speculative_generate(target, ids, drafter=drafter, **common)
+    assert isinstance(got, SpeculativeOutput)
+    assert got.sequences.tolist() == expected.tolist()
+    for row, stats in enumerate(got.stats):
+        assert stats.committed_tokens == max_new_tokens
+        assert stats.target_forwards == 1 + stats.cycles  # the prefill, then one verify forward per cycle
+    key = f"{arch}-{variant}"
+    _RAGGED[key] = _RAGGED.get(key, 0) + ragged_cycles(got.stats)
+
+
+def test_greedy_rows_stop_on_their_own_eos(fitted, arch):
+    """EOS tokens that appear mid-generation in some rows: rows finish at different cycles and are padded exactly
+    as plain generate() pads them; every other row goes on to its full length."""
+    target, drafter = fitted
+    for seed in range(4):
+        ids, mask = left_padded(100 + seed, [7, 3, 10, 5, 8, 2][: 3 + seed])
+        free = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+        eos = int(free[seed % ids.shape[0], ids.shape[1] + 9])  # appears 10 tokens into one row, maybe others
+        common = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+        expected = target.generate(ids, **common)
+        got = speculative_generate(target, ids, drafter=drafter, **common)
+        assert got.sequences.tolist() == expected.tolist()
+        ended = (got.sequences[:, ids.shape[1] :] == eos).any(1)
+        assert ended.any()
+        forwards = [s.target_forwards for s in got.stats]
+        if not ended.all():
+            assert len(set(forwards)) > 1, forwards  # a row that ended early stopped costing forwards
+
+
+@pytest.mark.parametrize("seed,lengths,max_new_tokens", [CASES[5], CASES[7]])
+def test_greedy_exact_with_cache_compaction(fitted, seed, lengths, max_new_tokens, monkeypatch):
+    """Packing the holes out of both caches (here after every cycle) changes nothing, EOS-finished rows included."""
+    target, drafter = fitted
+    monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
+    calls = []
+    compact = generation._compact
+    monkeypatch.setattr(generation, "_compact", lambda *args: calls.append(1) or compact(*args))
+    ids, mask = left_padded(seed, lengths)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
+    for eos in (None, int(free[0, ids.shape[1] + 4])):
+        common = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD,
+                      eos_token_id=eos)
+        expected = target.generate(ids, **common)
+        got = speculative_generate(target, ids, drafter=drafter, **common)
+        assert got.sequences.tolist() == expected.tolist()
+    assert len(calls) > 3
+
+
+def test_cases_were_ragged_and_accepted(fitted, arch):
+    """Guard against a vacuous pass: rows of one batch accepted different counts in the same cycle, many times."""
+    if f"{arch}-fitted" not in _RAGGED:
+        pytest.skip("run together with test_greedy_batch_equals_plain_generate")
+    assert _RAGGED[f"{arch}-fitted"] >= 10, _RAGGED
+    assert _RAGGED[f"{arch}-scrambled"] >= 5, _RAGGED
+
+
+def test_custom_generate_entry_point(fitted):
+    """`target.generate(..., custom_generate=speculative_generate, drafter=...)` returns what generate() returns."""
+    target, drafter = fitted
+    ids, mask = left_padded(50, [5, 9, 2])
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    expected = target.generate(ids, **common)
+    got = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, **common)
+    assert isinstance(got, torch.Tensor) and got.tolist() == expected.tolist()
+    stats = drafter.generation_stats(got)
+    assert len(stats) == 3 and all(s.committed_tokens == 20 for s in stats)
+    as_dict = target.generate(
+        ids, custom_generate=speculative_generate, drafter=drafter, return_dict_in_generate=True, **common
+    )
+    assert as_dict.sequences.tolist() == expected.tolist()
+    plain_dflash = speculative_generate(target, ids, drafter=drafter, correct=False, **common)
+    assert plain_dflash.sequences.tolist() == expected.tolist()
+    noisy = scrambled(drafter, seed=9)
+    for selection in ("viterbi", "geometric"):
+        walked = speculative_generate(target, ids, drafter=noisy, selection=selection, **common)
+        assert walked.sequences.tolist() == expected.tolist()
+
+
+def test_unsupported_settings_fail_clearly(fitted):
+    target, drafter = fitted
+    ids, mask = left_padded(60, [4, 6])
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5,
+                             repetition_penalty=1.3, pad_token_id=PAD)
+    with pytest.raises(TypeError, match="by keyword"):
+        speculative_generate(target, drafter, ids)
+    with pytest.raises(ValueError, match="num_beams"):
+        speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5, num_beams=2,
+                             pad_token_id=PAD)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling: exact distribution by enumeration vs a batch of samples
+# ----------------------------------------------------------------------------------------------------------------
+
+V = 6  # vocabulary: V**T outcomes
+T = 3  # new tokens per sample: the prefill chooses the first, the first cycle's drafts decide the other two
+PROMPT = torch.tensor([[1, 2, 3, 4, 0]])
+N_SAMPLES = 3000  # rows of one speculative_generate call
+SETTINGS = {"t1": dict(temperature=1.0, top_k=0, top_p=1.0), "t07-k4-p09": dict(temperature=0.7, top_k=4, top_p=0.9)}
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    """Tiny peaked target and a random drafter (scrambled corrector) whose first cycle often rejects, half accepts
+    and fully accepts its drafts under every setting: the first seed that qualifies on a 300-sample pilot."""
+    target = make_target("llama", seed=1, vocab=V)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30.0)  # peaked but non-degenerate next-token distributions
+    for seed in range(10, 60):  # seed 10 qualifies with torch 2.13 on CPU
+        torch.manual_seed(seed)
+        drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=V)
+        with torch.no_grad():
+            for name, param in drafter.named_parameters():
+                if not name.startswith("corrector."):
+                    param.copy_(torch.randn(param.shape) * (0.5 if param.dim() > 1 else 0.1) + (param.dim() == 1))
+        drafter = scrambled(drafter, seed=2)
+        torch.manual_seed(0)
+        if all(first_cycle_outcomes(sample_batch(target, drafter, s, 300)).min() >= 9 for s in SETTINGS.values()):
+            return target, drafter
+    raise AssertionError("no drafter seed gives first cycles with all three acceptance outcomes")
+
+
+def first_cycle_outcomes(out: SpeculativeOutput) -> np.ndarray:
+    """How many rows accepted 0, 1, 2+ drafts in their first cycle."""
+    return np.bincount([min(s.accepted[0], 2) for s in out.stats], minlength=3)
+
+
+def warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """generate()'s sampling warpers (transformers 5.24 `_get_logits_processor`): same conditions, same order."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return processors
+
+
+@torch.no_grad()
+def exact_distribution(target, setting: dict) -> np.ndarray:
+    """P(first T new tokens = c) for all c in V**T (lexicographic), from one batched forward over all of them."""
+    processors = warpers(**setting)
+    continuations = torch.tensor(list(itertools.product(range(V), repeat=T)))
+    sequences = torch.cat([PROMPT.expand(len(continuations), -1), continuations], dim=1)
+    logits = target(sequences).logits.float()
+    log_prob = torch.zeros(len(continuations), dtype=torch.float64)
+    for i in range(T):
+        step = processors(sequences[:, : PROMPT.shape[1] + i], logits[:, PROMPT.shape[1] - 1 + i].clone())
+        log_prob += step.log_softmax(-1).double().gather(1, continuations[:, i : i + 1]).squeeze(1)
+    probs = log_prob.exp().numpy()
+    assert abs(probs.sum() - 1.0) < 1e-6
+    return probs
+
+
+def histogram(sequences: torch.LongTensor) -> np.ndarray:
+    new = sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + T].numpy()
+    return np.bincount((new * V ** np.arange(T - 1, -1, -1)).sum(1), minlength=V**T)
+
+
+def total_variation(counts: np.ndarray, probs: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
+def iid_tv_quantile(probs: np.ndarray, n: int, q: float = 0.99, reps: int = 1000) -> float:
+    rng = np.random.default_rng(0)
+    return float(np.quantile([total_variation(rng.multinomial(n, probs), probs) for _ in range(reps)], q))
+
+
+def sample_batch(target, drafter, setting: dict, n: int, expand: bool = False) -> SpeculativeOutput:
+    """n samples as the rows of one call: an [n, L] batch, or (expand) one prompt with num_return_sequences=n."""
+    if expand:
+        return speculative_generate(target, PROMPT, drafter=drafter, do_sample=True, max_new_tokens=T,
+                                    num_return_sequences=n, **setting)
+    return speculative_generate(
+        target, PROMPT.expand(n, -1), drafter=drafter, do_sample=True, max_new_tokens=T, **setting
+    )
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_batched_sampling_matches_exact_distribution(sampling_models, setting):
+    target, drafter = sampling_models
+    probs = exact_distribution(target, SETTINGS[setting])
+    assert probs.max() < 0.5 and (probs > 1e-3).sum() >= 6, "degenerate target distribution: the test proves little"
+    q99 = iid_tv_quantile(probs, N_SAMPLES)
+    torch.manual_seed(1234)
+    plain = target.generate(PROMPT.expand(N_SAMPLES, -1), do_sample=True, max_new_tokens=T, **SETTINGS[setting])
+    plain_tv = total_variation(histogram(plain), probs)
+    out = sample_batch(target, drafter, SETTINGS[setting], N_SAMPLES, expand=setting != "t1")
+    assert out.sequences.shape == (N_SAMPLES, PROMPT.shape[1] + T)
+    tv = total_variation(histogram(out.sequences), probs)
+    first_cycle = first_cycle_outcomes(out)
+    print(f"{setting}: TV {tv:.4f}, plain generate {plain_tv:.4f} (iid 99% {q99:.4f}); first cycle accepted "
+          f"0/1/2+: {first_cycle.tolist()}")
+    assert plain_tv < q99, (plain_tv, q99)  # the enumerated distribution is generate()'s
+    assert tv < q99, (tv, q99)
+    # Non-vacuous: the first cycle's drafts were rejected, half accepted and fully accepted, often enough.
+    assert first_cycle.min() >= 0.02 * N_SAMPLES, first_cycle
+
+
+def test_wrong_verification_is_caught(sampling_models, monkeypatch):
+    """A classic bug: accept a draft with probability p(draft), but on rejection sample from the FULL target
+    distribution instead of the residual (so the draft token is over-weighted). The TV check must flag it."""
+    target, drafter = sampling_models
+    setting = SETTINGS["t1"]
+    probs = exact_distribution(target, setting)
+
+    def wrong_verify(pick, logits, drafts):
+        chosen = pick(logits)  # an independent target sample per position
+        p_draft = logits[:, :-1].softmax(-1).gather(-1, drafts[..., None]).squeeze(-1)  # [b, S]
+        take = torch.rand_like(p_draft) < p_draft
+        chosen[:, :-1] = torch.where(take, drafts, chosen[:, :-1])
+        return chosen, (drafts == chosen[:, :-1]).long().cumprod(1).sum(1)
+
+    monkeypatch.setattr(generation, "_verify", wrong_verify)
+    torch.manual_seed(4321)
+    n = 1500
+    tv = total_variation(histogram(sample_batch(target, drafter, setting, n).sequences), probs)
+    q99 = iid_tv_quantile(probs, n)
+    print(f"wrong verification: TV {tv:.4f}, iid 99% {q99:.4f}")
+    assert tv > 2 * q99, (tv, q99)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmark smoke tests (tiny models)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_bench_batch_smoke(fitted, tmp_path):
+    from dcoco_hf.batch_bench import run_batch_bench
+
+    target, drafter = fitted
+    prompts = [left_padded(70 + i, [3 + i])[0][0] for i in range(5)]
+    report = run_batch_bench(target, drafter, prompts, batch_sizes=[1, 4], max_new_tokens=12, pad_token_id=PAD)
+    assert set(report["results"]) == {"1", "4"}
+    for row in report["results"].values():
+        assert set(row) == {"vanilla", "dflash", "dcoco"}
+        assert row["dcoco"]["equal_to_vanilla"] and row["dflash"]["equal_to_vanilla"]
+        assert row["dcoco"]["tau"] > 1.0 and row["vanilla"]["tau"] == 1.0
+        assert row["dcoco"]["speedup"] is not None
+    json.dumps(report)
+
+
+def test_gpu_bench_script_tiny():
+    """scripts/gpu_batched_bench.py --tiny runs on CPU and prints its table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_batched_bench.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--batch-sizes", "1,2", "--max-new-tokens", "8"],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "corrector share" in result.stdout
+
+
+def test_bench_batch_cli(fitted, arch, tmp_path):
+    """`dcoco-hf bench-batch` end to end on saved tiny folders, with --json."""
+    if arch != "llama":
+        pytest.skip("one architecture is enough for the CLI")
+    from test_cli import run_cli, tiny_tokenizer
+
+    target, drafter = fitted
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(5 * i + j) % 40}" for j in range(2 + i))}) + "\n"
+                               for i in range(3)))
+    out = tmp_path / "batch.json"
+    result = run_cli("bench-batch", "--target", tmp_path / "target", "--drafter", tmp_path / "drafter",
+                     "--prompts", prompts, "--batch-size", "1,3", "--max-new-tokens", 10, "--warmup", 0,
+                     "--json", out)
+    assert result.code == 0, result.err
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["1", "3"]
+    assert all(row["dcoco"]["equal_to_vanilla"] for row in report["results"].values())
+    assert "dcoco/dflash" in result.out
+    bad = run_cli("bench-batch", "--target", tmp_path / "target", "--random-drafter", "--prompts", prompts,
+                  "--batch-size", "0,x")
+    assert bad.code == 2 and "--batch-size" in bad.err
