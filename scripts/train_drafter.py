@@ -89,7 +89,10 @@ def main() -> None:
     last = get_last_checkpoint(str(args.output)) if args.output.exists() else None
     trainer.train(resume_from_checkpoint=last)
     trainer.export_drafter(args.output / "final")
+    cfg = drafter.config  # with --init, the architecture comes from that folder, not from the arguments
     summary = {"stage": args.stage, "wall_seconds": time.time() - start, "records": len(records),
+               "drafter": {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
+                           "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids},
                "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:]}
     (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
 

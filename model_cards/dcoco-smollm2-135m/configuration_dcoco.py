@@ -1,0 +1,186 @@
+"""Configuration of the DCOCO drafter: a DFlash parallel drafter plus the DCOCO contextual corrector.
+
+DFlash (block diffusion drafter) reads hidden states of a few target layers and predicts a whole block in one forward;
+DCOCO ("Contextual Correction of Parallel Drafts for Speculative Decoding", arXiv:2610.12570) re-selects each slot's
+token among its top-K candidates with a transition score between adjacent slots.
+
+The backbone fields are the Qwen3 ones, so public DFlash checkpoints (whose `config.json` says `model_type: qwen3`)
+load into this class. Their DFlash fields may sit at the top level or inside `dflash_config`; both are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+SELECTIONS = ("greedy", "viterbi", "geometric")
+AUTO_MAP = {
+    "AutoConfig": "configuration_dcoco.DCOCOConfig",
+    "AutoModel": "modeling_dcoco.DCOCODrafter",
+    "AutoModelForCausalLM": "modeling_dcoco.DCOCODrafter",
+}
+
+
+class DCOCOConfig(PreTrainedConfig):
+    r"""
+    Args:
+        vocab_size: vocabulary of the target (the drafter borrows its embedding and lm_head).
+        hidden_size: width of the drafter, equal to the target's hidden size.
+        intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
+        rms_norm_eps, rope_theta, rope_parameters, max_position_embeddings, attention_bias, attention_dropout:
+            Qwen3-style decoder layers of the drafter backbone.
+        block_size: tokens per draft block: the anchor (last committed token) plus `block_size - 1` mask slots.
+        mask_token_id: token id whose (target) embedding fills the mask slots.
+        target_layer_ids: 0-based target decoder layers whose outputs feed the drafter (`hidden_states[i + 1]`).
+        num_target_layers: number of decoder layers of the target the drafter was built for.
+        top_k: candidates kept per slot by the corrector (K).
+        corrector_rank: width r of the candidate representations and slot-pair state.
+        corrector_hidden: hidden width of the transition MLP (3r + 2 -> corrector_hidden -> 1).
+        selection: how the block is read off the transition scores: "greedy" (the paper's prefix-first walk),
+            "viterbi" (best global path, paper's control) or "geometric" (global path with transitions weighted by
+            `geometric_lambda ** p`, paper's second control).
+        geometric_lambda: decay of the geometric walk.
+    """
+
+    model_type = "dcoco"
+
+    # Declared fields: typed, and recognised by transformers as model settings (it refuses to save an undeclared
+    # `top_k`, taking it for a sampling parameter).
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    layer_types: list | None = None
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list | None = None
+    num_target_layers: int | None = None
+    top_k: int = 16
+    corrector_rank: int = 128
+    corrector_hidden: int = 256
+    selection: str = "greedy"
+    geometric_lambda: float = 0.75
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+        max_position_embeddings: int = 40960,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        initializer_range: float = 0.02,
+        block_size: int | None = None,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        num_target_layers: int | None = None,
+        top_k: int = 16,
+        corrector_rank: int = 128,
+        corrector_hidden: int = 256,
+        selection: str = "greedy",
+        geometric_lambda: float = 0.75,
+        layer_types: list[str] | None = None,
+        dflash_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Public DFlash checkpoints keep these either at the top level or under `dflash_config`.
+        dflash_config = dict(dflash_config or {})
+        block_size = block_size if block_size is not None else dflash_config.get("block_size", 16)
+        mask_token_id = mask_token_id if mask_token_id is not None else dflash_config.get("mask_token_id")
+        target_layer_ids = target_layer_ids if target_layer_ids is not None else dflash_config.get("target_layer_ids")
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_parameters = _rope_parameters(rope_theta, rope_parameters)
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.initializer_range = initializer_range
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.block_size = int(block_size)
+        self.mask_token_id = mask_token_id
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
+        self.num_target_layers = num_target_layers
+        self.top_k = top_k
+        self.corrector_rank = corrector_rank
+        self.corrector_hidden = corrector_hidden
+        self.selection = selection
+        self.geometric_lambda = geometric_lambda
+        kwargs.setdefault("tie_word_embeddings", False)
+        # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.
+        kwargs["auto_map"] = dict(AUTO_MAP)
+        super().__init__(**kwargs)
+        self.check_dcoco_fields()
+
+    def check_dcoco_fields(self) -> None:
+        """Raise a ValueError naming the bad field and the fix."""
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}.")
+        if not 0.0 < self.geometric_lambda <= 1.0:
+            raise ValueError(f"geometric_lambda={self.geometric_lambda} must lie in (0, 1].")
+        if self.top_k < 1 or self.top_k > self.vocab_size:
+            raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers.")
+        unsupported = sorted(set(self.layer_types) - {"full_attention"})
+        if unsupported:
+            raise ValueError(
+                f"layer_types {unsupported} are not supported: DCOCO drafters use full (bidirectional-in-block) "
+                "attention in every layer. Convert the checkpoint or use a full-attention DFlash drafter."
+            )
+        if self.target_layer_ids is not None:
+            if len(self.target_layer_ids) == 0:
+                raise ValueError("target_layer_ids is empty; list at least one target decoder layer.")
+            if min(self.target_layer_ids) < 0:
+                raise ValueError(f"target_layer_ids={self.target_layer_ids} holds a negative layer index.")
+            if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+                raise ValueError(
+                    f"target_layer_ids={self.target_layer_ids} is out of range for a target with "
+                    f"num_target_layers={self.num_target_layers} (valid: 0..{self.num_target_layers - 1})."
+                )
+
+
+def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """Accept both spellings of RoPE settings: transformers 4 `rope_theta` and transformers 5 `rope_parameters`."""
+    params = dict(rope_parameters or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if rope_theta is not None:
+        params.setdefault("rope_theta", rope_theta)
+    params.setdefault("rope_theta", 1_000_000.0)
+    return params
+
+
+__all__ = ["DCOCOConfig"]

@@ -1,0 +1,136 @@
+"""The DCOCO contextual corrector and the walks that read a block off its transition scores.
+
+Paper: "Contextual Correction of Parallel Drafts for Speculative Decoding" (DCOCO, arXiv:2610.12570), section 3.
+A parallel drafter predicts every slot without seeing its neighbours' choices, so a block can be incoherent
+("New Diego"). The right token is often inside the slot's top-K though (on Qwen3-8B top-1 covers 0.400 of slots and
+top-16 covers 0.755), so DCOCO re-selects instead of re-generating:
+
+1. candidates: per drafted slot the top-K token ids c_i^k with their drafter logits l_i(k) and the slot hidden h_i;
+2. candidate representation z_i^k = LN_affine(W_fuse [LN(W_cand E[c_i^k]); LN(W_ctx h_i)]), width r;
+3. slot-pair state s_p = W_pair [h_p; h_{p+1}], shared by the K^2 transitions of the pair;
+4. transition score S_p(a, b) = l_{p+1}(b) + Delta([s_p; z_p^a; z_{p+1}^b; l_p(a); l_{p+1}(b)]), Delta a GELU MLP
+   3r+2 -> hidden -> 1 whose output layer starts at zero (an untrained corrector reproduces the drafter's argmax);
+   every transition of the block is scored in one batched op;
+5. prefix-first walk: slot 1 keeps the drafter argmax, then k_{p+1} = argmax_b S_p(k_p, b), because verification
+   stops at the first error and a good late slot cannot pay for a bad early one.
+
+The first layer of Delta is stored as four linear maps, one per input group ([s_p], [z_p^a], [z_{p+1}^b],
+[l_p(a), l_{p+1}(b)]). That is the same 3r+2 -> hidden affine map with the same parameter count, but the batched op
+then costs O(P K hidden) for the projections plus one broadcast add, instead of a matmul over P K^2 concatenated rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class DCOCOCorrector(nn.Module):
+    """Scores every adjacent-slot candidate transition of a draft block.
+
+    Args:
+        hidden_size: width H of the drafter hidden states and of the target embedding.
+        rank: width r of candidate representations and slot-pair states (paper: 128).
+        mlp_hidden: hidden width of the transition MLP Delta (paper: 256).
+    """
+
+    def __init__(self, hidden_size: int, rank: int = 128, mlp_hidden: int = 256) -> None:
+        super().__init__()
+        self.rank = rank
+        self.cand_proj = nn.Linear(hidden_size, rank, bias=False)  # W_cand
+        self.ctx_proj = nn.Linear(hidden_size, rank, bias=False)  # W_ctx
+        self.fuse_proj = nn.Linear(2 * rank, rank, bias=False)  # W_fuse
+        self.fuse_norm = nn.LayerNorm(rank)  # the affine LN of z
+        self.pair_proj = nn.Linear(2 * hidden_size, rank, bias=False)  # W_pair
+        # Delta, first layer (3r + 2 -> mlp_hidden, one bias), split by input group.
+        self.delta_pair = nn.Linear(rank, mlp_hidden, bias=True)
+        self.delta_prev = nn.Linear(rank, mlp_hidden, bias=False)
+        self.delta_next = nn.Linear(rank, mlp_hidden, bias=False)
+        self.delta_logits = nn.Linear(2, mlp_hidden, bias=False)
+        # Delta, output layer: zero at start so S_p(a, b) = l_{p+1}(b) and the walk returns the drafter argmax.
+        self.delta_out = nn.Linear(mlp_hidden, 1, bias=True)
+        self.delta_out.zero_init = True  # honoured by DCOCOPreTrainedModel._init_weights
+        nn.init.zeros_(self.delta_out.weight)
+        nn.init.zeros_(self.delta_out.bias)
+
+    def candidate_representations(self, candidate_embeds: torch.Tensor, slot_hidden: torch.Tensor) -> torch.Tensor:
+        """z_i^k from candidate embeddings [B, S, K, H] and slot hiddens [B, S, H] -> [B, S, K, r]."""
+        # Non-affine LN first: token embeddings and drafter hiddens differ in scale by orders of magnitude.
+        cand = F.layer_norm(self.cand_proj(candidate_embeds), (self.rank,))  # [B, S, K, r]
+        ctx = F.layer_norm(self.ctx_proj(slot_hidden), (self.rank,))  # [B, S, r]
+        ctx = ctx.unsqueeze(2).expand_as(cand)  # [B, S, K, r]
+        return self.fuse_norm(self.fuse_proj(torch.cat([cand, ctx], dim=-1)))
+
+    def forward(
+        self, slot_hidden: torch.Tensor, candidate_embeds: torch.Tensor, candidate_logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Transition scores S_p(a, b) for every adjacent pair of drafted slots.
+
+        Args:
+            slot_hidden: [B, S, H] drafter hidden of each drafted slot (the input of the lm_head).
+            candidate_embeds: [B, S, K, H] target embeddings of each slot's top-K candidates.
+            candidate_logits: [B, S, K] drafter logits of those candidates.
+        Returns:
+            [B, S - 1, K, K] scores; entry [b, p, a, c] scores candidate c at slot p + 1 after candidate a at slot p.
+        """
+        logits = candidate_logits.to(slot_hidden.dtype)
+        z = self.candidate_representations(candidate_embeds, slot_hidden)  # [B, S, K, r]
+        pair = self.pair_proj(torch.cat([slot_hidden[:, :-1], slot_hidden[:, 1:]], dim=-1))  # [B, P, r]
+        prev_logit = logits[:, :-1].unsqueeze(-1)  # [B, P, K, 1]
+        next_logit = logits[:, 1:].unsqueeze(-1)  # [B, P, K, 1]
+        w = self.delta_logits.weight  # [hidden, 2]
+        hidden = (
+            self.delta_pair(pair)[:, :, None, None, :]  # [B, P, 1, 1, hidden]
+            + (self.delta_prev(z[:, :-1]) + prev_logit * w[:, 0])[:, :, :, None, :]  # [B, P, K, 1, hidden]
+            + (self.delta_next(z[:, 1:]) + next_logit * w[:, 1])[:, :, None, :, :]  # [B, P, 1, K, hidden]
+        )
+        delta = self.delta_out(F.gelu(hidden)).squeeze(-1)  # [B, P, K, K]
+        return logits[:, 1:, None, :] + delta
+
+
+def prefix_first_walk(transition_scores: torch.Tensor) -> torch.Tensor:
+    """The paper's walk: slot 1 takes the drafter argmax (candidate 0), then the best successor of the chosen one.
+
+    transition_scores: [B, P, K, K] -> chosen candidate index per slot [B, P + 1].
+    """
+    batch, pairs, k, _ = transition_scores.shape
+    chosen = transition_scores.new_zeros((batch, pairs + 1), dtype=torch.long)
+    for p in range(pairs):
+        rows = transition_scores[:, p].gather(1, chosen[:, p, None, None].expand(batch, 1, k)).squeeze(1)  # [B, K]
+        chosen[:, p + 1] = rows.argmax(-1)
+    return chosen
+
+
+def viterbi_walk(
+    transition_scores: torch.Tensor, first_slot_logits: torch.Tensor, decay: float = 1.0
+) -> torch.Tensor:
+    """Best global path: argmax over paths of l_1(k_1) + sum_p decay**p * S_p(k_p, k_{p+1}).
+
+    decay = 1 is the paper's "global-sum" control; decay < 1 its "geometric" control. first_slot_logits: [B, K].
+    """
+    batch, pairs, k, _ = transition_scores.shape
+    best = first_slot_logits.to(transition_scores.dtype)  # [B, K] best path score ending at each candidate
+    backptr = []
+    for p in range(pairs):
+        total = best[:, :, None] + (decay**p) * transition_scores[:, p]  # [B, K(prev), K(next)]
+        best, arg = total.max(dim=1)
+        backptr.append(arg)
+    chosen = transition_scores.new_zeros((batch, pairs + 1), dtype=torch.long)
+    chosen[:, -1] = best.argmax(-1)
+    for p in range(pairs - 1, -1, -1):
+        chosen[:, p] = backptr[p].gather(1, chosen[:, p + 1, None]).squeeze(1)
+    return chosen
+
+
+def select_candidates(
+    selection: str, transition_scores: torch.Tensor, first_slot_logits: torch.Tensor, geometric_lambda: float
+) -> torch.Tensor:
+    """Dispatch to the configured walk; returns the chosen candidate index per slot [B, P + 1]."""
+    if selection == "greedy":
+        return prefix_first_walk(transition_scores)
+    if selection == "viterbi":
+        return viterbi_walk(transition_scores, first_slot_logits)
+    if selection == "geometric":
+        return viterbi_walk(transition_scores, first_slot_logits, decay=geometric_lambda)
+    raise ValueError(f"selection={selection!r} is unknown; choose 'greedy', 'viterbi' or 'geometric'.")

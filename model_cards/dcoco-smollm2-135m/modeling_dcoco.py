@@ -1,0 +1,546 @@
+"""DCOCO drafter: the DFlash parallel drafter backbone with the DCOCO contextual corrector on top.
+
+DFlash: the drafter fuses hidden states of a few target layers (`fc`, then `hidden_norm`) and injects them as extra
+keys/values in every drafter layer; one forward over the block [anchor, MASK x (B-1)] (bidirectional inside the block,
+full attention to the context, absolute RoPE positions) predicts slot k = the token at anchor + k, through the
+target's own lm_head. DCOCO (arXiv:2610.12570) keeps each slot's top-K candidates and re-selects them with transition
+scores between adjacent slots (see `corrector.py`).
+
+The drafter borrows the target's embedding and lm_head (frozen, never saved): `drafter.attach(target)` binds it to
+its target once; `target.generate(**inputs, assistant_model=drafter)` then speculates losslessly through
+`DCOCOCandidateGenerator` (see `candidate_generator.py`). Weight names follow the public DFlash checkpoints
+(`fc`, `hidden_norm`, `layers.{i}...`, `norm`), so those load as they are, with a fresh (zero-output) corrector.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .candidate_generator import DCOCOCandidateGenerator, DraftContextCache, TargetTap, decoder_layers
+from .configuration_dcoco import DCOCOConfig
+from .corrector import DCOCOCorrector, select_candidates
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DCOCOAttention(nn.Module):
+    """Qwen3-style attention whose keys/values also cover the fused target context."""
+
+    def __init__(self, config: DCOCOConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Any | None,
+    ) -> torch.Tensor:
+        """hidden_states [B, Q, H] (block), context [B, N, H] (new fused context rows) -> [B, Q, H]."""
+        batch, q_len, _ = hidden_states.shape
+        kv_input = torch.cat([context, hidden_states], dim=1)  # [B, N + Q, H]
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings  # [B, N + Q, D]
+        q = _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = _apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        implementation = self.config._attn_implementation
+        if attention_mask is not None and implementation not in ("eager", "sdpa"):
+            implementation = "sdpa"  # kernels without arbitrary masks (FlashAttention) only serve the unmasked path
+        attn_fn = ALL_ATTENTION_FUNCTIONS[implementation] if implementation != "eager" else _eager_attention
+        out, _ = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, is_causal=False)
+        return self.o_proj(out.reshape(batch, q_len, -1))
+
+
+def _eager_attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, **_):
+    """Plain softmax attention with GQA; attention_mask is additive [B, 1, Q, K] or None."""
+    k = k.repeat_interleave(module.num_key_value_groups, dim=1)
+    v = v.repeat_interleave(module.num_key_value_groups, dim=1)
+    weights = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = weights.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
+
+
+class DCOCODecoderLayer(nn.Module):
+    def __init__(self, config: DCOCOConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DCOCOAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask, cache):
+        # The fused context enters as keys/values only; it never joins the residual stream.
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _additive_mask(mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Key mask [B, K] (1 = visible) or boolean/additive [B, 1, Q, K] -> additive float [B, 1, Q, K], or None."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        if bool(mask.all()):
+            return None  # everything visible: let SDPA / FlashAttention take their unmasked path
+        mask = mask[:, None, None, :].expand(-1, 1, q_len, -1)
+    if mask.dtype == torch.bool or not mask.is_floating_point():
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask.bool(), torch.finfo(dtype).min)
+    return mask.to(dtype)
+
+
+@dataclass
+class DraftProposal:
+    """One drafted block, after correction.
+
+    tokens: [B, S] proposed tokens for slots 1..S (S = block_size - 1).
+    candidates: [B, S, K] top-K candidate ids per slot, best first.
+    candidate_logits: [B, S, K] their drafter logits.
+    chosen: [B, S] index of the proposed token inside each slot's candidates.
+    transition_scores: [B, S - 1, K, K] or None when the corrector was skipped.
+    backbone_seconds / corrector_seconds: wall time of the backbone (+ lm_head, top-K) and of scoring + walk.
+    """
+
+    tokens: torch.Tensor
+    candidates: torch.Tensor
+    candidate_logits: torch.Tensor
+    chosen: torch.Tensor
+    transition_scores: torch.Tensor | None
+    backbone_seconds: float
+    corrector_seconds: float
+
+
+class DCOCOGenerationConfig(GenerationConfig):
+    """Generation defaults of a drafter, read by transformers' assisted generation from the ASSISTANT's config."""
+
+    @classmethod
+    def from_model_config(cls, model_config: DCOCOConfig) -> GenerationConfig:
+        config = model_config.to_dict()
+        config.pop("top_k", None)  # the corrector's candidate count, not a sampling setting
+        generation_config = GenerationConfig.from_model_config(config)
+        # A DCOCO block has a fixed length, and no confidence-based early stop.
+        generation_config.num_assistant_tokens = model_config.block_size - 1
+        generation_config.num_assistant_tokens_schedule = "constant"
+        generation_config.assistant_confidence_threshold = 0.0
+        return generation_config
+
+
+class DCOCOPreTrainedModel(PreTrainedModel):
+    config_class = DCOCOConfig
+    generation_config_class = DCOCOGenerationConfig
+    config: DCOCOConfig
+    base_model_prefix = "dcoco"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DCOCODecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if getattr(module, "zero_init", False):  # the corrector's output layer: untrained = plain DFlash argmax
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
+
+
+class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
+    """DFlash backbone + DCOCO corrector. Build with `DCOCODrafter(config)`, `DCOCODrafter.from_target(target)` or
+    `from_pretrained(folder)`; bind to its target with `attach(target)`; use as `assistant_model=drafter`."""
+
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+
+    def __init__(self, config: DCOCOConfig) -> None:
+        super().__init__(config)
+        if config.target_layer_ids is None:
+            raise ValueError(
+                "DCOCOConfig.target_layer_ids is missing: the drafter must know which target layers it reads. "
+                "Use DCOCODrafter.from_target(target) or set target_layer_ids explicitly."
+            )
+        num_layers = len(config.target_layer_ids)
+        self.fc = nn.Linear(num_layers * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DCOCODecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.corrector = DCOCOCorrector(config.hidden_size, config.corrector_rank, config.corrector_hidden)
+        self._target_ref: weakref.ReferenceType | None = None
+        self._tap: TargetTap | None = None
+        self.post_init()
+
+    # ------------------------------------------------------------------ construction and attachment
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        top_k: int = 16,
+        num_target_layers_read: int = 5,
+        mask_token_id: int | None = None,
+        intermediate_size: int | None = None,
+        init_from_target: bool = False,
+        **config_kwargs: Any,
+    ) -> "DCOCODrafter":
+        """An untrained drafter sized for `target`, already attached to it.
+
+        `init_from_target=True` starts the drafter layers from the target's last decoder layers and the final norm
+        from the target's (where shapes agree): a warm start that matters when training compute is scarce.
+
+        Reads `num_target_layers_read` target layers spread evenly from layer 1 to layer L-3 (the early and the
+        last layers carry little about the next tokens). The mask token defaults to the last row of the target's
+        embedding table: any fixed id works, the drafter learns what its embedding means, and the last row is a
+        rarely used padding or special token in common tokenizers. Pass `mask_token_id` to choose another.
+        """
+        tcfg = target.config.get_text_config()
+        depth = tcfg.num_hidden_layers
+        vocab = target.get_input_embeddings().weight.shape[0]
+        heads = config_kwargs.pop("num_attention_heads", tcfg.num_attention_heads)
+        config = DCOCOConfig(
+            vocab_size=vocab,
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=intermediate_size or tcfg.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=config_kwargs.pop("num_key_value_heads", getattr(tcfg, "num_key_value_heads", heads)),
+            head_dim=config_kwargs.pop("head_dim", getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_theta": 10000.0}),
+            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 32768),
+            block_size=block_size,
+            mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
+            target_layer_ids=spread_layer_ids(depth, num_target_layers_read),
+            num_target_layers=depth,
+            top_k=top_k,
+            **config_kwargs,
+        )
+        drafter = cls(config).to(device=target.device, dtype=target.dtype)
+        if init_from_target:
+            _copy_matching(target.get_decoder().layers[-num_hidden_layers:], drafter.layers)
+            _copy_matching(target.get_decoder().norm, drafter.norm)
+        return drafter.attach(target)
+
+    def attach(self, target: PreTrainedModel) -> "DCOCODrafter":
+        """Bind the drafter to `target`: borrow its embedding and lm_head and tap its hidden states. Returns self."""
+        check_compatible(self.config, target)
+        if self._tap is not None:
+            self._tap.remove()
+        self._target_ref = weakref.ref(target)
+        self._tap = TargetTap(target, self.config.target_layer_ids)
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles carry weights, not the binding to a live target (re-attach the copy).
+        state = super().__getstate__()
+        state.update(_target_ref=None, _tap=None, _last_engine=None)
+        return state
+
+    @property
+    def target(self) -> PreTrainedModel:
+        target = self._target_ref() if self._target_ref is not None else None
+        if target is None:
+            raise RuntimeError(
+                "This DCOCODrafter is not attached to a target model. Call `drafter.attach(target)` once "
+                "(it returns the drafter), then pass `assistant_model=drafter` to `target.generate`."
+            )
+        return target
+
+    @property
+    def tap(self) -> TargetTap:
+        self.target  # noqa: B018 -- raises the clear "not attached" error
+        return self._tap
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        target = self._target_ref() if self._target_ref is not None else None
+        return target.get_input_embeddings() if target is not None else None
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None  # the lm_head is the target's; it is neither tied nor saved here
+
+    # ------------------------------------------------------------------ the backbone
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """One DFlash backbone pass (also the interface of transformers' `speculation_type="dflash"` path).
+
+        Args:
+            noise_embeds: [B, Q, H] target embeddings of the block(s) (anchor, then mask slots).
+            context_hidden_states: [B, N, n_layers * H] concatenated target hidden states of new context rows.
+            position_ids: [B, N + Q] absolute positions of the context rows then the block tokens.
+            attention_mask: None (all visible), a key mask [B, cached + N + Q] or a full mask [B, 1, Q, keys].
+            cache: keys/values of earlier context rows (`DraftContextCache` or a transformers DFlash cache).
+        Returns:
+            `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head.
+        """
+        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        hidden = noise_embeds.to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        mask = _additive_mask(attention_mask, hidden.shape[1], hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, context, position_embeddings, mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    def slot_logits(self, slot_hidden: torch.Tensor) -> torch.Tensor:
+        """Target lm_head on drafter slot hiddens [..., H] -> [..., V]."""
+        lm_head = self.target.get_output_embeddings()
+        return lm_head(slot_hidden.to(lm_head.weight.dtype))
+
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        return self.target.get_input_embeddings()(token_ids)
+
+    # ------------------------------------------------------------------ drafting: the one code path
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor_ids: torch.LongTensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        cache: DraftContextCache,
+        attention_mask: torch.Tensor | None = None,
+        selection: str | None = None,
+        correct: bool = True,
+    ) -> DraftProposal:
+        """Draft one block per row and correct it.
+
+        Args:
+            anchor_ids: [B] last committed token of each row.
+            context_hidden_states: [B, N, n_layers * H] target states of the rows committed since the last draft.
+            position_ids: [B, N + block_size] positions of those rows, then of the block.
+            cache: the drafter context cache; it keeps the new context rows and drops the block afterwards.
+            attention_mask: key mask [B, cached + N + block_size], or None when every key is visible.
+            selection: "greedy" | "viterbi" | "geometric"; default `config.selection`.
+            correct: False skips the corrector (plain DFlash argmax proposals, for baselines).
+        """
+        cfg = self.config
+        sync = _device_sync(anchor_ids.device)
+        start = time.perf_counter()
+        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], cfg.block_size - 1), cfg.mask_token_id)
+        block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
+        kept = cache.get_seq_length() + context_hidden_states.shape[1]
+        out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
+        cache.truncate(kept)
+        slot_hidden = out.last_hidden_state[:, 1:]  # [B, S, H]
+        logits = self.slot_logits(slot_hidden).float()  # [B, S, V]
+        candidate_logits, candidates = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)  # [B, S, K]
+        sync()
+        backbone_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        scores = None
+        if correct and cfg.block_size > 2:
+            scores = self.corrector(slot_hidden, self.embed(candidates).to(slot_hidden.dtype), candidate_logits)
+            chosen = select_candidates(
+                selection or cfg.selection, scores.float(), candidate_logits[:, 0], cfg.geometric_lambda
+            )
+        else:
+            chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
+        tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
+        sync()
+        return DraftProposal(
+            tokens, candidates, candidate_logits, chosen, scores, backbone_seconds, time.perf_counter() - start
+        )
+
+    # ------------------------------------------------------------------ transformers assisted generation
+
+    def generate(self, input_ids: torch.LongTensor | None = None, generation_config=None, **kwargs: Any):
+        """Called by `target.generate(..., assistant_model=drafter)` once per speculation cycle.
+
+        transformers' AssistedCandidateGenerator hands back whatever we return as `cache` on the next call of the
+        same `generate()`: that is how one `DCOCOCandidateGenerator` (hooks, drafter context, statistics) lives
+        exactly as long as one target `generate()` call.
+        """
+        if generation_config is None or not getattr(generation_config, "is_assistant", False):
+            raise TypeError(
+                "DCOCODrafter does not generate text by itself. Use "
+                "`target.generate(**inputs, assistant_model=drafter)` (after `drafter.attach(target)`), or "
+                "`dcoco_hf.speculative_generate(target, drafter, ...)` for batches."
+            )
+        handle = kwargs.get("cache")
+        if not isinstance(handle, _EngineHandle):
+            handle = _EngineHandle(DCOCOCandidateGenerator(self, generation_config=generation_config))
+            self._last_engine = handle.engine
+        max_new_tokens = kwargs.get("max_new_tokens") or self.config.block_size - 1
+        candidate_ids, candidate_logits = handle.engine.get_candidates(input_ids, max_new_tokens=max_new_tokens)
+        return GenerateDecoderOnlyOutput(
+            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), cache=handle
+        )
+
+    def generation_stats(self, sequences: torch.LongTensor | None = None):
+        """Statistics of the last `target.generate(..., assistant_model=self)` call.
+
+        Pass the returned sequences to also count the final cycle (transformers stops without telling the drafter).
+        """
+        engine = getattr(self, "_last_engine", None)
+        if engine is None:
+            raise RuntimeError(
+                "No generate() call has consulted this drafter yet (a call with fewer than 2 new tokens never drafts)."
+            )
+        if sequences is not None:
+            engine.close(sequences)
+        return engine.stats
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """`PreTrainedModel.from_pretrained`, but a checkpoint missing backbone weights is an error, not a warning.
+
+        A missing corrector is fine: public DFlash checkpoints have none, and a fresh (zero-output) corrector
+        reproduces their argmax proposals exactly.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
+            source = str(args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+            files = sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else []
+            raise OSError(
+                f"Cannot read the drafter weights in {', '.join(files) or source} ({error}): the file is truncated "
+                "or corrupt, e.g. by an interrupted download or save. Delete it, then download or save the checkpoint "
+                "again."
+            ) from error
+        missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
+        if missing:
+            raise ValueError(
+                f"The checkpoint lacks {len(missing)} drafter weight(s), e.g. {missing[:4]}: it is not a complete "
+                "DFlash/DCOCO drafter. Re-download or re-save the folder (model.safetensors must hold fc, hidden_norm, "
+                "layers.* and norm)."
+            )
+        mismatched = info.get("mismatched_keys") or []
+        if mismatched:
+            raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
+        return (model, info) if want_info else model
+
+
+class _EngineHandle:
+    """What transformers' AssistedCandidateGenerator stores as our `cache` between cycles.
+
+    It only asks a cache for its length and to crop it; the engine re-synchronises from token ids itself, so both
+    are no-ops here.
+    """
+
+    def __init__(self, engine: DCOCOCandidateGenerator) -> None:
+        self.engine = engine
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        return None
+
+
+@torch.no_grad()
+def _copy_matching(source: nn.Module, destination: nn.Module) -> None:
+    """Copy every parameter that exists under the same name and shape in both modules."""
+    theirs = dict(source.named_parameters())
+    for name, param in destination.named_parameters():
+        if name in theirs and theirs[name].shape == param.shape:
+            param.copy_(theirs[name])
+
+
+def spread_layer_ids(depth: int, count: int) -> list[int]:
+    """`count` distinct target layers spread evenly from 1 to depth - 3 (clamped to the target's range)."""
+    if depth < 1:
+        raise ValueError("The target has no decoder layers.")
+    low, high = min(1, depth - 1), max(min(1, depth - 1), depth - 3)
+    count = max(1, min(count, high - low + 1))
+    if count == 1:
+        return [(low + high) // 2]
+    return sorted({round(low + i * (high - low) / (count - 1)) for i in range(count)})
+
+
+def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
+    """Raise a ValueError naming the mismatch between a drafter config and a target, and the fix."""
+    tcfg = target.config
+    if getattr(tcfg, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(target).__name__} is an encoder-decoder model; DCOCO drafters speculate for decoder-only causal "
+            "LMs (AutoModelForCausalLM)."
+        )
+    text = tcfg.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    # `conv` (LFM2-style short convolutions) keeps no recurrent state: transformers 5.24 crops it like attention.
+    recurrent = sorted(layer_types - {"full_attention", "sliding_attention", "chunked_attention", "conv"})
+    if recurrent:
+        raise ValueError(
+            f"The target has {recurrent} layers whose cache cannot be cropped after a rejected draft; speculative "
+            "decoding needs a croppable (attention) KV cache."
+        )
+    embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    if embeddings is None or lm_head is None:
+        raise ValueError(f"{type(target).__name__} has no input embeddings or lm_head to lend the drafter.")
+    if text.hidden_size != config.hidden_size:
+        raise ValueError(
+            f"Hidden size mismatch: the drafter is {config.hidden_size} wide, the target {text.hidden_size}. "
+            "A drafter only fits the target (family) it was built for; build one with DCOCODrafter.from_target(target)."
+        )
+    vocab = embeddings.weight.shape[0]
+    if vocab != config.vocab_size or lm_head.weight.shape[0] != vocab:
+        raise ValueError(
+            f"Vocabulary mismatch: the drafter expects {config.vocab_size} tokens, the target's embedding has {vocab} "
+            f"and its lm_head {lm_head.weight.shape[0]}. Use the target the drafter was trained for."
+        )
+    depth = len(decoder_layers(target))
+    if max(config.target_layer_ids) >= depth:
+        raise ValueError(
+            f"target_layer_ids={config.target_layer_ids} is out of range: the target has {depth} decoder layers "
+            f"(valid ids 0..{depth - 1}). The drafter was built for a deeper target; use a matching one."
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab:
+        raise ValueError(
+            f"mask_token_id={config.mask_token_id} is not a token of the target's {vocab}-row embedding table; set "
+            "config.mask_token_id to the id the drafter was trained with."
+        )
+
+
+def _device_sync(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+__all__ = ["DCOCODrafter", "DCOCOPreTrainedModel", "DraftProposal", "spread_layer_ids"]
