@@ -1,0 +1,50 @@
+"""The shipped drafter folder: Hub-ready, loadable with trust_remote_code, and its code in sync with the package.
+
+A Hub folder must carry its own copy of the modeling code (`trust_remote_code`); these tests fail as soon as the
+package code changes without the copy being refreshed (`python scripts/sync_model_card.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel
+
+import dcoco_hf
+from dcoco_hf.assets import load_default_target
+from dcoco_hf.cli import DEFAULT_DRAFTER_NAME
+
+CARD = Path(__file__).resolve().parents[1] / "model_cards" / DEFAULT_DRAFTER_NAME
+CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "candidate_generator.py")
+
+
+def test_folder_is_complete_and_hub_ready():
+    for name in ("config.json", "model.safetensors", "generation_config.json", "README.md", *CODE_FILES):
+        assert (CARD / name).is_file(), name
+    config = json.loads((CARD / "config.json").read_text())
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert "RESULTS_TABLE" not in (CARD / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", CODE_FILES)
+def test_shipped_code_matches_the_package(name):
+    package = Path(dcoco_hf.__file__).parent / name
+    assert (CARD / name).read_text() == package.read_text(), f"run scripts/sync_model_card.py ({name} differs)"
+
+
+@pytest.mark.slow
+def test_shipped_drafter_is_lossless_on_the_default_target():
+    target, tokenizer = load_default_target()
+    drafter = AutoModel.from_pretrained(CARD, trust_remote_code=True).attach(target)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )["input_ids"]
+    with torch.no_grad():
+        expected = target.generate(ids, max_new_tokens=24, do_sample=False)
+        got = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert got.tolist() == expected.tolist()
+    assert drafter.generation_stats(got).committed_tokens == 24
