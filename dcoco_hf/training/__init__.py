@@ -2,12 +2,15 @@
 
 from .losses import dcoco_loss, dflash_loss, pack_blocks, sample_anchors, transition_labels
 from .objective import DrafterLoss, drafter_loss, target_context
+from .retarget import lora_config_for_drafter, measure_tau
 
 __all__ = [
     "DrafterLoss",
     "dcoco_loss",
     "dflash_loss",
     "drafter_loss",
+    "lora_config_for_drafter",
+    "measure_tau",
     "pack_blocks",
     "sample_anchors",
     "target_context",

@@ -1,0 +1,66 @@
+"""Retargeting a trained drafter + corrector to a different verifier that shares the tokenizer, with LoRA only.
+
+A fine-tuned copy of the target keeps the vocabulary, hidden size and layer count, so the drafter still attaches, but
+its hidden states and greedy continuations drift and acceptance (tau) drops. Instead of retraining, train LoRA
+adapters on the drafter's linear layers with the usual stage-2 objective on data the NEW target regenerated, and ship
+only the adapter (`adapter_model.safetensors`, loadable with `PeftModel.from_pretrained(drafter, folder)`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # peft and transformers.Trainer load lazily: `import dcoco_hf.training` stays light
+    from peft import LoraConfig
+
+    from .trainer import DrafterTrainingModel
+
+BACKBONE_LINEARS = ["fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# `delta_logits` is read through its `.weight` in DCOCOCorrector.forward, so a LoRA wrapper there would never apply.
+CORRECTOR_LINEARS = ["cand_proj", "ctx_proj", "fuse_proj", "pair_proj", "delta_pair", "delta_prev", "delta_next",
+                     "delta_out"]
+
+
+def lora_config_for_drafter(r: int = 16, alpha: int = 32, include_corrector: bool = True) -> LoraConfig:
+    """LoRA on the drafter backbone's linears (and the corrector's, except `delta_logits`)."""
+    from peft import LoraConfig
+
+    modules = BACKBONE_LINEARS + (CORRECTOR_LINEARS if include_corrector else [])
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules)
+
+
+def lora_training_model(peft_drafter: nn.Module, target: nn.Module, **kwargs) -> DrafterTrainingModel:
+    """A stage-2 `DrafterTrainingModel` around a PEFT-wrapped drafter in which only the LoRA weights train.
+
+    `DrafterTrainingModel` unfreezes the whole corrector for stage 2 (`corrector.requires_grad_(True)`), which would
+    also train the corrector's base weights; freeze everything but the adapters again afterwards.
+    """
+    from .trainer import DrafterTrainingModel
+
+    model = DrafterTrainingModel(peft_drafter, target, stage=2, **kwargs)
+    for name, param in peft_drafter.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+@torch.no_grad()
+def measure_tau(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.LongTensor], max_new_tokens: int
+                ) -> float:
+    """Committed tokens per target forward of greedy `target.generate(..., assistant_model=drafter)` over prompts.
+
+    prompts_ids: token id tensors [T] or [1, T]. `drafter` may be a DCOCODrafter or a PeftModel around one.
+    """
+    committed = forwards = 0
+    for ids in prompts_ids:
+        ids = ids.long().view(1, -1).to(target.device)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, assistant_model=drafter)
+        stats = drafter.generation_stats(out)
+        committed, forwards = committed + stats.committed_tokens, forwards + stats.target_forwards
+    return committed / max(forwards, 1)
+
+
+__all__ = ["BACKBONE_LINEARS", "CORRECTOR_LINEARS", "lora_config_for_drafter", "lora_training_model", "measure_tau"]
