@@ -15,7 +15,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 

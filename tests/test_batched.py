@@ -10,19 +10,13 @@ caught by the same check. Plus smoke tests of the batch-size benchmark (function
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import numpy as np
 import pytest
 import torch
 from conftest import VOCAB, make_target, scrambled
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from sampling_reference import PROMPT, T, V, exact_distribution, histogram, iid_tv_quantiles, total_variation
 
 import dcoco_hf.generation as generation
 from dcoco_hf import DCOCODrafter, SpeculativeOutput, speculative_generate
@@ -161,9 +155,6 @@ def test_unsupported_settings_fail_clearly(fitted):
 # Sampling: exact distribution by enumeration vs a batch of samples
 # ----------------------------------------------------------------------------------------------------------------
 
-V = 6  # vocabulary: V**T outcomes
-T = 3  # new tokens per sample: the prefill chooses the first, the first cycle's drafts decide the other two
-PROMPT = torch.tensor([[1, 2, 3, 4, 0]])
 N_SAMPLES = 3000  # rows of one speculative_generate call
 SETTINGS = {"t1": dict(temperature=1.0, top_k=0, top_p=1.0), "t07-k4-p09": dict(temperature=0.7, top_k=4, top_p=0.9)}
 
@@ -194,48 +185,6 @@ def first_cycle_outcomes(out: SpeculativeOutput) -> np.ndarray:
     return np.bincount([min(s.accepted[0], 2) for s in out.stats], minlength=3)
 
 
-def warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
-    """generate()'s sampling warpers (transformers 5.24 `_get_logits_processor`): same conditions, same order."""
-    processors = LogitsProcessorList()
-    if temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-    if top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-    return processors
-
-
-@torch.no_grad()
-def exact_distribution(target, setting: dict) -> np.ndarray:
-    """P(first T new tokens = c) for all c in V**T (lexicographic), from one batched forward over all of them."""
-    processors = warpers(**setting)
-    continuations = torch.tensor(list(itertools.product(range(V), repeat=T)))
-    sequences = torch.cat([PROMPT.expand(len(continuations), -1), continuations], dim=1)
-    logits = target(sequences).logits.float()
-    log_prob = torch.zeros(len(continuations), dtype=torch.float64)
-    for i in range(T):
-        step = processors(sequences[:, : PROMPT.shape[1] + i], logits[:, PROMPT.shape[1] - 1 + i].clone())
-        log_prob += step.log_softmax(-1).double().gather(1, continuations[:, i : i + 1]).squeeze(1)
-    probs = log_prob.exp().numpy()
-    assert abs(probs.sum() - 1.0) < 1e-6
-    return probs
-
-
-def histogram(sequences: torch.LongTensor) -> np.ndarray:
-    new = sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + T].numpy()
-    return np.bincount((new * V ** np.arange(T - 1, -1, -1)).sum(1), minlength=V**T)
-
-
-def total_variation(counts: np.ndarray, probs: np.ndarray) -> float:
-    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
-
-
-def iid_tv_quantile(probs: np.ndarray, n: int, q: float = 0.99, reps: int = 1000) -> float:
-    rng = np.random.default_rng(0)
-    return float(np.quantile([total_variation(rng.multinomial(n, probs), probs) for _ in range(reps)], q))
-
-
 def sample_batch(target, drafter, setting: dict, n: int, expand: bool = False) -> SpeculativeOutput:
     """n samples as the rows of one call: an [n, L] batch, or (expand) one prompt with num_return_sequences=n."""
     if expand:
@@ -251,7 +200,7 @@ def test_batched_sampling_matches_exact_distribution(sampling_models, setting):
     target, drafter = sampling_models
     probs = exact_distribution(target, SETTINGS[setting])
     assert probs.max() < 0.5 and (probs > 1e-3).sum() >= 6, "degenerate target distribution: the test proves little"
-    q99 = iid_tv_quantile(probs, N_SAMPLES)
+    q99 = iid_tv_quantiles(probs, N_SAMPLES)[1]
     torch.manual_seed(1234)
     plain = target.generate(PROMPT.expand(N_SAMPLES, -1), do_sample=True, max_new_tokens=T, **SETTINGS[setting])
     plain_tv = total_variation(histogram(plain), probs)
@@ -285,7 +234,7 @@ def test_wrong_verification_is_caught(sampling_models, monkeypatch):
     torch.manual_seed(4321)
     n = 1500
     tv = total_variation(histogram(sample_batch(target, drafter, setting, n).sequences), probs)
-    q99 = iid_tv_quantile(probs, n)
+    q99 = iid_tv_quantiles(probs, n)[1]
     print(f"wrong verification: TV {tv:.4f}, iid 99% {q99:.4f}")
     assert tv > 2 * q99, (tv, q99)
 
