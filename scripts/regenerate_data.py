@@ -35,15 +35,13 @@ def main() -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         target, tokenizer = AutoModelForCausalLM.from_pretrained(args.target).eval(), AutoTokenizer.from_pretrained(args.target)
-    args.out.mkdir(parents=True, exist_ok=True)
-    prompts_file = args.out / "prompt_sources.json"
-    if prompts_file.exists():  # resume with exactly the same prompts
+    prompts_file = args.out / "prompts.json"  # written by regenerate(): resume with exactly the same prompts
+    if prompts_file.exists():
         prompts = json.loads(prompts_file.read_text())
     else:
         chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
         prompts = stdlib_code_prompts(args.code, seed=args.seed) + chat
         prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed))]
-        prompts_file.write_text(json.dumps(prompts, indent=0))
     regenerate(target, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size)
 
 
