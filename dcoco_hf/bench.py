@@ -32,7 +32,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from .assets import chat_input_ids
-from .candidate_generator import DCOCOStats
+from .candidate_generator import DCOCOStats, forward_inputs
 from .modeling_dcoco import DCOCODrafter
 
 METHODS = ("vanilla", "prompt_lookup", "dflash", "dcoco", "dcoco-viterbi", "dcoco-geometric")
@@ -140,12 +140,8 @@ class ForwardTrace:
     def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if not self.recording:
             return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        width = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        start = cache.get_seq_length() if cache is not None else 0
-        # A static cache returns its live length tensor, which the forward then advances in place: copy it. Copying
-        # instead of int() also avoids a device sync per forward on GPUs.
+        _, width, start = forward_inputs(args, kwargs)
+        # Copying a static cache's live length tensor instead of int() avoids a device sync per forward on GPUs.
         self.calls.append((start.clone() if isinstance(start, torch.Tensor) else start, width))
 
     def acceptance(self, prompt_len: int, final_len: int) -> Acceptance:

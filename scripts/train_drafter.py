@@ -1,11 +1,13 @@
 """Train a DCOCO drafter with transformers.Trainer (resumable; `accelerate launch` works unchanged).
 
-Stage 1 (DFlash backbone, corrector frozen at zero):
-    python scripts/train_drafter.py --stage 1 --data data/smollm2 --features data/smollm2-features \
-        --output runs/stage1 --layers 1 --block-size 16 --epochs 2
+Stage 1 (DFlash backbone, corrector frozen at zero), on regenerated and teacher-forced data together:
+    python scripts/train_drafter.py --stage 1 --data data/smollm2 data/smollm2-text --features data/features \
+        --output runs/stage1 --layers 2 --init-from-target --block-size 8 --epochs 1
 Stage 2 (joint DFlash + DCOCO), from the stage-1 drafter:
-    python scripts/train_drafter.py --stage 2 --init runs/stage1/final --data data/smollm2 \
-        --features data/smollm2-features --output runs/stage2 --epochs 1
+    python scripts/train_drafter.py --stage 2 --init runs/stage1/final --data data/smollm2 data/smollm2-text \
+        --features data/features --output runs/stage2 --epochs 0.5
+
+With --features, each data folder's target context is cached once under <features>/<folder name>.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTr
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, choices=(1, 2), required=True)
-    p.add_argument("--data", type=Path, required=True, help="folder written by scripts/regenerate_data.py")
-    p.add_argument("--features", type=Path, default=None, help="cache target features here (built if missing)")
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="folders written by scripts/regenerate_data.py or scripts/text_data.py")
+    p.add_argument("--features", type=Path, default=None,
+                   help="cache each folder's target features under FEATURES/<folder name> (built if missing)")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--init", default=None, help="drafter folder to start from (required for stage 2)")
@@ -63,12 +67,14 @@ def main() -> None:
             target, num_hidden_layers=args.layers, block_size=args.block_size, top_k=args.top_k,
             num_target_layers_read=args.target_layers_read, init_from_target=args.init_from_target,
         )
-    source = args.data
-    if args.features is not None:
-        source = cache_target_features(target, drafter.config.target_layer_ids, args.data, args.features)
-    records = load_shards(source)
-    if "context_states" in records[0] and records[0]["context_states"].shape[-1] != drafter.fc.in_features:
-        raise SystemExit(f"{args.features} holds features of other target layers; use a fresh --features folder")
+    records = []
+    for folder in args.data:
+        source = folder
+        if args.features is not None:
+            source = cache_target_features(target, drafter.config.target_layer_ids, folder, args.features / folder.name)
+        records += load_shards(source)
+        if "context_states" in records[-1] and records[-1]["context_states"].shape[-1] != drafter.fc.in_features:
+            raise SystemExit(f"{source} holds features of other target layers; use a fresh --features folder")
 
     training_args = TrainingArguments(
         output_dir=str(args.output), per_device_train_batch_size=args.batch_size,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from conftest import make_target
 from transformers import TrainingArguments
@@ -16,7 +19,7 @@ def test_block_mask_sees_context_before_anchor_and_own_block_only():
     ids = torch.arange(10)[None]
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     anchors = torch.tensor([[2, 6]])
-    blocks = pack_blocks(ids, loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool), 4, mask_token_id=99)
+    blocks = pack_blocks(ids, ids + 1, loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool), 4, 99)
     mask = blocks.attention_mask[0, 0]  # [8, 10 + 8]
     assert blocks.block_ids.tolist() == [[2, 99, 99, 99, 6, 99, 99, 99]]  # slot 0 embeds the anchor
     assert mask[:4, :10].tolist() == [[j < 2 for j in range(10)]] * 4
@@ -30,8 +33,19 @@ def test_block_mask_sees_context_before_anchor_and_own_block_only():
 def test_labels_past_the_end_or_outside_the_response_are_masked():
     ids = torch.arange(8)[None]
     loss_mask = torch.tensor([[False, False, False, True, True, True, True, True]])
-    blocks = pack_blocks(ids, loss_mask, torch.tensor([[2, 5]]), torch.tensor([[True, True]]), 4, 99)
+    blocks = pack_blocks(ids, ids + 1, loss_mask, torch.tensor([[2, 5]]), torch.tensor([[True, True]]), 4, 99)
     assert blocks.label_mask.tolist() == [[[True, True, True], [True, True, False]]]
+
+
+def test_labels_are_the_targets_greedy_tokens_while_the_text_follows_them():
+    """On text the target did not write, a slot is labelled only while the text before it is the greedy path."""
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    greedy_next = torch.tensor([[11, 12, 50, 14, 15, 16, 17, 18]])  # the target would write 50, not 13, after 12
+    blocks = pack_blocks(ids, greedy_next, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[1, 3]]),
+                         torch.tensor([[True, True]]), 4, 99)
+    assert blocks.labels.tolist() == [[[12, 50, 14], [14, 15, 16]]]
+    # Block 0: slot 2 (label 50) is still exact, slot 3 sits after the text left the path (13 != 50).
+    assert blocks.label_mask.tolist() == [[[True, True, False], [True, True, True]]]
 
 
 def test_anchors_lie_before_response_tokens():
@@ -99,3 +113,29 @@ def test_trainer_stages_resume_and_export(tmp_path):
     reloaded = DCOCODrafter.from_pretrained(tmp_path / "final").attach(target)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+@pytest.mark.slow
+def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_humaneval(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dcoco_hf import assets
+    from dcoco_hf.training.data import python_docs_pairs, stdlib_source_pairs, teacher_forced_shards
+
+    code, docs = stdlib_source_pairs(), python_docs_pairs()
+    assert len(code) > 1000 and len(docs) > 100
+    assert all(answer.startswith("```python\n") and "def " in answer and answer.endswith("```") for _, answer in code)
+    signature = re.compile(r"def \w+\(.*")  # some names recur (`add`), whole signatures must not
+    held_out = {m.group(0) for p in assets.suite_prompts("humaneval") for m in signature.finditer(p)}
+    assert not {m.group(0) for p, _ in code for m in signature.finditer(p)} & held_out
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.default_target_path())
+    pairs = [code[0], docs[0], ("Say hi.", "Hi there!")]
+    records = load_shards(teacher_forced_shards(tokenizer, pairs, tmp_path, max_length=96))
+    assert len(records) == 3
+    for (user, answer), record in zip(pairs, records):
+        ids, mask = record["input_ids"].long(), record["loss_mask"]
+        assert len(ids) <= 96 and mask.any() and not mask[: mask.nonzero()[0]].any()  # one contiguous tail
+        assert tokenizer.decode(ids[~mask]).endswith(f"{user}<|im_end|>\n<|im_start|>assistant\n")
+        assert answer.startswith(tokenizer.decode(ids[mask]))
+    assert tokenizer.decode(records[2]["input_ids"][records[2]["loss_mask"]].long()) == "Hi there!"

@@ -4,6 +4,12 @@ Stage 1, DFlash (public reference recipe): per sequence, sample anchors among re
 [anchor, MASK x (B-1)] sees the target context strictly before its anchor, itself bidirectionally, and no other block,
 all in one packed forward. Slot k predicts the token at anchor + k with weight exp(-(k-1)/gamma).
 
+Slot labels are the target's greedy tokens under teacher forcing: slot k's label is the target's argmax at position
+anchor + k - 1, kept while the text from the anchor up to that slot is itself the target's greedy path. On the target's
+own regenerated responses this is the response token (the reference recipe); on any other text it still labels
+exactly what the target would accept, so plain text (source code, documentation) becomes valid training data with one
+target forward per sequence instead of a slow generation.
+
 Stage 2, DCOCO (arXiv:2610.12570, section 3.4): the label of an adjacent slot pair (p, p+1) is the target's argmax
 token pair at those positions under teacher forcing, kept only when both tokens are inside their slots' top-K; the loss
 is the cross-entropy over the joint softmax of the pair's K^2 transition scores, weighted exp(-(p-1)/rho), rho = 4.
@@ -23,7 +29,8 @@ class PackedBlocks:
     """A batch of sequences with `m` anchored blocks each, ready for one drafter forward.
 
     block_ids [N, m*B], position_ids [N, T + m*B], attention_mask [N, 1, m*B, T + m*B] (True = visible),
-    labels [N, m, B-1] (token at anchor + k), label_mask [N, m, B-1] (slot inside the sequence and the response).
+    labels [N, m, B-1] (the target's greedy token at anchor + k), label_mask [N, m, B-1] (slot inside the sequence
+    and the response, and the text between anchor and slot on the target's greedy path).
     """
 
     block_ids: torch.LongTensor
@@ -52,13 +59,17 @@ def sample_anchors(
 
 def pack_blocks(
     input_ids: torch.LongTensor,
+    greedy_next: torch.LongTensor,
     loss_mask: torch.BoolTensor,
     anchors: torch.LongTensor,
     anchor_valid: torch.BoolTensor,
     block_size: int,
     mask_token_id: int,
 ) -> PackedBlocks:
-    """Build the packed block inputs and the block attention mask for anchors [N, m] in sequences [N, T]."""
+    """Build the packed block inputs, labels and block attention mask for anchors [N, m] in sequences [N, T].
+
+    greedy_next [N, T]: the target's argmax at each position under teacher forcing (its greedy next token).
+    """
     n, t = input_ids.shape
     m = anchors.shape[1]
     device = input_ids.device
@@ -67,9 +78,15 @@ def pack_blocks(
     block_ids = torch.full((n, m, block_size), mask_token_id, dtype=torch.long, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)  # slot 0 embeds the anchor itself, never MASK
     inside = slot_pos[:, :, 1:] < t
-    label_pos = slot_pos[:, :, 1:].clamp(max=t - 1)
-    labels = input_ids.gather(1, label_pos.reshape(n, -1)).view(n, m, block_size - 1)
-    label_mask = inside & loss_mask.gather(1, label_pos.reshape(n, -1)).view(n, m, block_size - 1)
+    label_pos = slot_pos[:, :, 1:].clamp(max=t - 1)  # [N, m, B-1]
+    labels = greedy_next.gather(1, (label_pos - 1).reshape(n, -1)).view(n, m, block_size - 1)
+    # A slot's label is what the target would accept only while the text before it follows the greedy path.
+    follows = torch.ones_like(input_ids, dtype=torch.bool)
+    follows[:, 1:] = input_ids[:, 1:] == greedy_next[:, :-1]
+    on_path = follows.gather(1, label_pos.reshape(n, -1)).view(n, m, block_size - 1)
+    prefix_on_path = torch.ones_like(on_path)
+    prefix_on_path[:, :, 1:] = on_path[:, :, :-1].cumprod(dim=-1).bool()
+    label_mask = inside & prefix_on_path & loss_mask.gather(1, label_pos.reshape(n, -1)).view(n, m, block_size - 1)
     label_mask &= anchor_valid[:, :, None]
 
     # Context: block i sees target positions strictly before its anchor. Blocks: only themselves, bidirectionally.
@@ -96,11 +113,13 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, 7.0 * math.log(block_size) / math.log(16))
 
 
-def dflash_loss(slot_logits: torch.Tensor, blocks: PackedBlocks, gamma: float) -> torch.Tensor:
-    """Weighted slot cross-entropy. slot_logits: [N, m, B-1, V]."""
-    ce = F.cross_entropy(slot_logits.flatten(0, 2).float(), blocks.labels.flatten(), reduction="none")
-    weights = slot_weights(slot_logits.shape[2] + 1, gamma, slot_logits.device) * blocks.label_mask
-    return (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
+def dflash_loss(labelled_logits: torch.Tensor, blocks: PackedBlocks, gamma: float) -> torch.Tensor:
+    """Weighted slot cross-entropy. labelled_logits: [L, V], the logits of the slots where blocks.label_mask is set."""
+    slot = blocks.label_mask.nonzero()[:, -1]  # [L] slot index (0 = first drafted slot)
+    labels = blocks.labels[blocks.label_mask]  # [L]
+    ce = F.cross_entropy(labelled_logits.float(), labels, reduction="none")
+    weights = slot_weights(blocks.labels.shape[-1] + 1, gamma, labelled_logits.device)[slot]
+    return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
 
 
 def transition_labels(

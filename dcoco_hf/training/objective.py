@@ -18,7 +18,7 @@ class DrafterLoss:
     loss: torch.Tensor
     dflash: torch.Tensor
     dcoco: torch.Tensor | None
-    slot_accuracy: torch.Tensor  # [B-1] top-1 accuracy per slot on labelled slots
+    slot_accuracy: torch.Tensor  # [B-1] top-1 accuracy per slot on labelled slots (0 where none is labelled)
 
 
 @torch.no_grad()
@@ -47,43 +47,49 @@ def drafter_loss(
     input_ids: torch.LongTensor,
     loss_mask: torch.BoolTensor,
     context_states: torch.Tensor,
-    target_argmax: torch.LongTensor | None = None,
+    target_argmax: torch.LongTensor,
     num_anchors: int = 32,
     gamma: float | None = None,
     rho: float = 4.0,
+    dcoco: bool = True,
     generator: torch.Generator | None = None,
 ) -> DrafterLoss:
-    """Stage-1 loss, plus the stage-2 DCOCO loss when `target_argmax` is given (labels under teacher forcing).
+    """The stage-1 DFlash loss, plus the stage-2 DCOCO loss when `dcoco` (both labelled by the target's argmax).
 
-    input_ids / loss_mask [N, T] (loss_mask marks response tokens), context_states [N, T, n_layers * H].
+    input_ids / loss_mask / target_argmax [N, T] (loss_mask marks the tokens to learn), context_states
+    [N, T, n_layers * H]; both come from `target_context` or a feature cache.
     """
     cfg = drafter.config
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    blocks = pack_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id)
+    blocks = pack_blocks(input_ids, target_argmax, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id)
     n, m = anchors.shape
     hidden = drafter(
         drafter.embed(blocks.block_ids), context_states, blocks.position_ids, blocks.attention_mask
     ).last_hidden_state
     slot_hidden = hidden.view(n, m, cfg.block_size, -1)[:, :, 1:]  # [N, m, S, H]
-    logits = drafter.slot_logits(slot_hidden)  # [N, m, S, V]
+    # The lm_head over the whole vocabulary dominates a step's cost, so only labelled slots go through it: on
+    # teacher-forced text many slots lie past the point where the text leaves the target's greedy path.
+    labelled = blocks.label_mask  # [N, m, S]
+    logits = drafter.slot_logits(slot_hidden[labelled])  # [L, V]
     stage1 = dflash_loss(logits, blocks, gamma if gamma is not None else default_gamma(cfg.block_size))
     with torch.no_grad():
-        correct = (logits.argmax(-1) == blocks.labels) & blocks.label_mask
-        accuracy = correct.sum((0, 1)) / blocks.label_mask.sum((0, 1)).clamp(min=1)
-    if target_argmax is None:
+        slot = labelled.nonzero()[:, -1]
+        correct = (logits.argmax(-1) == blocks.labels[labelled]).float()
+        counts = torch.zeros(labelled.shape[-1], device=logits.device).index_add_(0, slot, torch.ones_like(correct))
+        accuracy = torch.zeros_like(counts).index_add_(0, slot, correct) / counts.clamp(min=1)
+    if not dcoco:
         return DrafterLoss(stage1, stage1.detach(), None, accuracy)
 
-    # Stage 2: labels are the target's argmax at each slot's position (the prediction made one step before it).
-    slot_pos = (anchors[:, :, None] + torch.arange(cfg.block_size - 1, device=anchors.device)).clamp(
-        max=input_ids.shape[1] - 1
-    )
-    argmax_tokens = target_argmax.gather(1, slot_pos.flatten(1)).view_as(blocks.labels)
-    candidate_logits, candidates = logits.float().topk(cfg.top_k, dim=-1)  # [N, m, S, K]
+    top_logits, top_ids = logits.float().topk(cfg.top_k, dim=-1)  # [L, K]
+    # Unlabelled slots get placeholder candidates: every pair touching them is unusable, and a pair's score reads
+    # only its own two slots, so they never reach the loss.
+    candidates = top_ids.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_ids)  # [N, m, S, K]
+    candidate_logits = top_logits.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_logits)
     scores = drafter.corrector(
         slot_hidden.flatten(0, 1),
         drafter.embed(candidates.flatten(0, 1)).to(slot_hidden.dtype),
         candidate_logits.flatten(0, 1),
     )  # [N*m, S-1, K, K]
-    pair_index, usable = transition_labels(candidates, argmax_tokens, blocks.label_mask)
+    pair_index, usable = transition_labels(candidates, blocks.labels, labelled)
     stage2 = dcoco_loss(scores, pair_index.flatten(0, 1), usable.flatten(0, 1), rho)
     return DrafterLoss(stage1 + stage2, stage1.detach(), stage2.detach(), accuracy)

@@ -33,17 +33,10 @@ def lora_config_for_drafter(r: int = 16, alpha: int = 32, include_corrector: boo
 
 
 def lora_training_model(peft_drafter: nn.Module, target: nn.Module, **kwargs) -> DrafterTrainingModel:
-    """A stage-2 `DrafterTrainingModel` around a PEFT-wrapped drafter in which only the LoRA weights train.
-
-    `DrafterTrainingModel` unfreezes the whole corrector for stage 2 (`corrector.requires_grad_(True)`), which would
-    also train the corrector's base weights; freeze everything but the adapters again afterwards.
-    """
+    """A stage-2 `DrafterTrainingModel` around a PEFT-wrapped drafter: only the LoRA weights train."""
     from .trainer import DrafterTrainingModel
 
-    model = DrafterTrainingModel(peft_drafter, target, stage=2, **kwargs)
-    for name, param in peft_drafter.named_parameters():
-        param.requires_grad_("lora_" in name)
-    return model
+    return DrafterTrainingModel(peft_drafter, target, stage=2, **kwargs)
 
 
 @torch.no_grad()

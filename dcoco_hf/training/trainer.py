@@ -30,8 +30,10 @@ class DrafterTrainingModel(nn.Module):
         self.drafter = drafter
         self.__dict__["target"] = target.eval().requires_grad_(False)  # unregistered: never saved, never wrapped
         self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
-        # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone.
-        drafter.corrector.requires_grad_(stage == 2)
+        # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone. A PEFT
+        # drafter already trains exactly its adapters, so its flags stay as PEFT set them.
+        if not hasattr(drafter, "peft_config"):
+            drafter.corrector.requires_grad_(stage == 2)
 
     def forward(self, input_ids, loss_mask, attention_mask=None, context_states=None, target_argmax=None, **_):
         if self.target.device != input_ids.device:
@@ -42,7 +44,7 @@ class DrafterTrainingModel(nn.Module):
             )
         out = drafter_loss(
             self.drafter, input_ids, loss_mask, context_states.to(self.drafter.dtype),
-            target_argmax if self.stage == 2 else None, self.num_anchors, self.gamma, self.rho,
+            target_argmax, self.num_anchors, self.gamma, self.rho, dcoco=self.stage == 2,
         )
         return {"loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy}
 

@@ -86,6 +86,18 @@ class TargetForward:
     states: torch.Tensor  # [B, n, n_layers * H]
 
 
+def forward_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, int, int | torch.Tensor]:
+    """(input_ids or None, input width, cache length) of a target forward, read in a forward pre-hook.
+
+    The cache length is the index of the forward's first token in the sequence. A static cache returns it as a live
+    device tensor that the forward then advances in place: callers copy it or convert it before the forward runs.
+    """
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    width = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return ids, width, cache.get_seq_length() if cache is not None else 0
+
+
 class TargetTap:
     """Forward hooks that record the target's hidden states at `layer_ids` while an engine listens.
 
@@ -128,12 +140,10 @@ class TargetTap:
         if not self.listening:
             return
         self._sync()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         # Rows are aligned by their index in the token sequence (= tokens already in the target's cache), not by
         # RoPE position, which skips padding holes.
-        start = int(cache.get_seq_length()) if cache is not None else 0  # a static cache returns a live tensor
-        self._current = {"ids": ids, "start": start, "states": {}, "t0": time.perf_counter()}
+        ids, _, start = forward_inputs(args, kwargs)
+        self._current = {"ids": ids, "start": int(start), "states": {}, "t0": time.perf_counter()}
 
     @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
     def _on_layer(self, layer_id: int, module, args, kwargs, output) -> None:
