@@ -1,6 +1,7 @@
 """Exact reference for the sampling tests: the distribution of the first T new tokens after PROMPT, by enumeration.
 
-Shared by the single-sequence (`test_sampling.py`) and batched (`test_batched.py`) distribution tests.
+Shared by the single-sequence (`test_sampling.py`) and batched (`test_batched.py`) distribution tests, with the tiny
+peaked target and the random drafters those tests search among.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import itertools
 
 import numpy as np
 import torch
+from conftest import make_target, scrambled
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -19,6 +21,32 @@ from transformers.generation.logits_process import (
 V = 6  # vocabulary: V**T outcomes, and random proposals get accepted often
 T = 3  # new tokens per sample: the first cycle drafts 2 tokens, so accept-accept, accept-reject and reject all occur
 PROMPT = torch.tensor([[1, 2, 3, 4, 0]])
+
+
+def peaked_target():
+    """A tiny Llama target over V tokens with peaked but non-degenerate next-token distributions."""
+    target = make_target("llama", seed=1, vocab=V)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30.0)
+    return target
+
+
+def random_drafter(target, seed: int, soft: bool = False):
+    """A drafter with random backbone weights (seeded) and a scrambled corrector, so proposals are arbitrary.
+
+    `soft` shrinks the final norm: the drafter's own distribution is then far from one-hot.
+    """
+    from dcoco_hf import DCOCODrafter
+
+    torch.manual_seed(seed)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=V)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("corrector."):
+                param.copy_(torch.randn(param.shape) * (0.5 if param.dim() > 1 else 0.1) + (param.dim() == 1))
+        if soft:
+            drafter.norm.weight.mul_(0.05)
+    return scrambled(drafter, seed=2)
 
 
 def warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:

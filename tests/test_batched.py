@@ -15,11 +15,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, make_target, scrambled
-from sampling_reference import PROMPT, T, V, exact_distribution, histogram, iid_tv_quantiles, total_variation
+from conftest import VOCAB, scrambled
+from sampling_reference import (
+    PROMPT, T, exact_distribution, histogram, iid_tv_quantiles, peaked_target, random_drafter, total_variation,
+)
 
 import dcoco_hf.generation as generation
-from dcoco_hf import DCOCODrafter, SpeculativeOutput, speculative_generate
+from dcoco_hf import SpeculativeOutput, speculative_generate
 
 PAD = 0
 
@@ -163,17 +165,9 @@ SETTINGS = {"t1": dict(temperature=1.0, top_k=0, top_p=1.0), "t07-k4-p09": dict(
 def sampling_models():
     """Tiny peaked target and a random drafter (scrambled corrector) whose first cycle often rejects, half accepts
     and fully accepts its drafts under every setting: the first seed that qualifies on a 300-sample pilot."""
-    target = make_target("llama", seed=1, vocab=V)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(30.0)  # peaked but non-degenerate next-token distributions
+    target = peaked_target()
     for seed in range(10, 60):  # seed 10 qualifies with torch 2.13 on CPU
-        torch.manual_seed(seed)
-        drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=V)
-        with torch.no_grad():
-            for name, param in drafter.named_parameters():
-                if not name.startswith("corrector."):
-                    param.copy_(torch.randn(param.shape) * (0.5 if param.dim() > 1 else 0.1) + (param.dim() == 1))
-        drafter = scrambled(drafter, seed=2)
+        drafter = random_drafter(target, seed)
         torch.manual_seed(0)
         if all(first_cycle_outcomes(sample_batch(target, drafter, s, 300)).min() >= 9 for s in SETTINGS.values()):
             return target, drafter

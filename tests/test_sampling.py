@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_target, scrambled
-from sampling_reference import PROMPT, T, V, exact_distribution, histogram, iid_tv_quantiles, total_variation
+from sampling_reference import (
+    PROMPT, T, V, exact_distribution, histogram, iid_tv_quantiles, peaked_target, random_drafter, total_variation,
+)
 
 import dcoco_hf.candidate_generator as candidate_generator
 from dcoco_hf import DCOCOCandidateGenerator, DCOCODrafter
@@ -31,19 +32,11 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def models():
     """Tiny target and a random drafter whose (fixed) first draft gets rejected, half and fully accepted often."""
-    target = make_target("llama", seed=1, vocab=V)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(30.0)  # peaked but non-degenerate next-token distributions
+    target = peaked_target()
     joints = [exact_distribution(target, setting).reshape((V,) * T).sum(axis=2) for setting in SETTINGS.values()]
     for seed in range(200):  # the first seed that qualifies (24 with torch 2.13 on CPU)
-        torch.manual_seed(seed)
-        drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=V)
-        with torch.no_grad():
-            for name, param in drafter.named_parameters():
-                if not name.startswith("corrector."):
-                    param.copy_(torch.randn(param.shape) * (0.5 if param.dim() > 1 else 0.1) + (param.dim() == 1))
-            drafter.norm.weight.mul_(0.05)  # a soft drafter distribution: the wrong variant's q is far from one-hot
-        drafter = scrambled(drafter, seed=2)
+        # A soft drafter distribution: the wrong variant's q is then far from one-hot.
+        drafter = random_drafter(target, seed, soft=True)
         y1, y2 = first_draft(drafter)
         if min(min(outcome_probabilities(joint, y1, y2)) for joint in joints) > 0.05:
             return target, drafter
