@@ -85,11 +85,13 @@ def drafter_loss(
     # only its own two slots, so they never reach the loss.
     candidates = top_ids.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_ids)  # [N, m, S, K]
     candidate_logits = top_logits.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_logits)
+    pair_index, usable = transition_labels(candidates, blocks.labels, labelled)  # [N, m, S-1]
+    # Score only blocks with a usable pair: the K^2 transitions of every pair make the corrector the costly part.
+    rows = usable.flatten(0, 1).any(-1)  # [N*m]
     scores = drafter.corrector(
-        slot_hidden.flatten(0, 1),
-        drafter.embed(candidates.flatten(0, 1)).to(slot_hidden.dtype),
-        candidate_logits.flatten(0, 1),
-    )  # [N*m, S-1, K, K]
-    pair_index, usable = transition_labels(candidates, blocks.labels, labelled)
-    stage2 = dcoco_loss(scores, pair_index.flatten(0, 1), usable.flatten(0, 1), rho)
+        slot_hidden.flatten(0, 1)[rows],
+        drafter.embed(candidates.flatten(0, 1)[rows]).to(slot_hidden.dtype),
+        candidate_logits.flatten(0, 1)[rows],
+    )  # [R, S-1, K, K]
+    stage2 = dcoco_loss(scores, pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows], rho)
     return DrafterLoss(stage1 + stage2, stage1.detach(), stage2.detach(), accuracy)
