@@ -113,12 +113,12 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, 7.0 * math.log(block_size) / math.log(16))
 
 
-def dflash_loss(labelled_logits: torch.Tensor, blocks: PackedBlocks, gamma: float) -> torch.Tensor:
-    """Weighted slot cross-entropy. labelled_logits: [L, V], the logits of the slots where blocks.label_mask is set."""
-    slot = blocks.label_mask.nonzero()[:, -1]  # [L] slot index (0 = first drafted slot)
-    labels = blocks.labels[blocks.label_mask]  # [L]
+def dflash_loss(
+    labelled_logits: torch.Tensor, labels: torch.LongTensor, slot: torch.LongTensor, block_size: int, gamma: float
+) -> torch.Tensor:
+    """Weighted slot cross-entropy over the labelled slots: logits [L, V], labels [L], slot index [L] (0 = slot 1)."""
     ce = F.cross_entropy(labelled_logits.float(), labels, reduction="none")
-    weights = slot_weights(blocks.labels.shape[-1] + 1, gamma, labelled_logits.device)[slot]
+    weights = slot_weights(block_size, gamma, labelled_logits.device)[slot]
     return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
 
 

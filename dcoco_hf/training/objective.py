@@ -70,11 +70,12 @@ def drafter_loss(
     # The lm_head over the whole vocabulary dominates a step's cost, so only labelled slots go through it: on
     # teacher-forced text many slots lie past the point where the text leaves the target's greedy path.
     labelled = blocks.label_mask  # [N, m, S]
+    slot, labels = labelled.nonzero()[:, -1], blocks.labels[labelled]  # [L], [L]
     logits = drafter.slot_logits(slot_hidden[labelled])  # [L, V]
-    stage1 = dflash_loss(logits, blocks, gamma if gamma is not None else default_gamma(cfg.block_size))
+    gamma = gamma if gamma is not None else default_gamma(cfg.block_size)
+    stage1 = dflash_loss(logits, labels, slot, cfg.block_size, gamma)
     with torch.no_grad():
-        slot = labelled.nonzero()[:, -1]
-        correct = (logits.argmax(-1) == blocks.labels[labelled]).float()
+        correct = (logits.argmax(-1) == labels).float()
         counts = torch.zeros(labelled.shape[-1], device=logits.device).index_add_(0, slot, torch.ones_like(correct))
         accuracy = torch.zeros_like(counts).index_add_(0, slot, correct) / counts.clamp(min=1)
     if not dcoco:
