@@ -25,8 +25,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import chat_input_ids
 from dcoco_hf.training.data import load_shards
-from dcoco_hf.training.retarget import lora_config_for_drafter, lora_training_model, measure_tau
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer
+from dcoco_hf.training.retarget import lora_config_for_drafter, measure_tau
+from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +73,7 @@ def main() -> None:
 
     model = get_peft_model(drafter, lora_config_for_drafter(args.r, 2 * args.r, not args.backbone_only))
     model.print_trainable_parameters()
-    training = lora_training_model(model, target, num_anchors=args.num_anchors)
+    training = DrafterTrainingModel(model, target, stage=2, num_anchors=args.num_anchors)
     checkpoints = args.output / "checkpoints"
     training_args = TrainingArguments(
         output_dir=str(checkpoints), per_device_train_batch_size=args.batch_size,

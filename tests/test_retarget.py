@@ -17,8 +17,8 @@ from transformers import TrainingArguments
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
-from dcoco_hf.training.retarget import CORRECTOR_LINEARS, lora_config_for_drafter, lora_training_model, measure_tau
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer
+from dcoco_hf.training.retarget import CORRECTOR_LINEARS, lora_config_for_drafter, measure_tau
+from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 NEW_TOKENS = 24
 
@@ -73,7 +73,7 @@ def retargeted(tmp_path_factory):
     _greedy_equal(target_b, drafter, held_out)
 
     model = get_peft_model(drafter, lora_config_for_drafter(r=8, alpha=16))
-    training = lora_training_model(model, target_b, num_anchors=8)
+    training = DrafterTrainingModel(model, target_b, stage=2, num_anchors=8)
     args = TrainingArguments(
         output_dir=str(tmp_path_factory.mktemp("retarget")), per_device_train_batch_size=16, max_steps=120,
         learning_rate=3e-3, logging_steps=20, save_strategy="no", report_to=[], remove_unused_columns=False,

@@ -4,6 +4,7 @@ A fine-tuned copy of the target keeps the vocabulary, hidden size and layer coun
 its hidden states and greedy continuations drift and acceptance (tau) drops. Instead of retraining, train LoRA
 adapters on the drafter's linear layers with the usual stage-2 objective on data the NEW target regenerated, and ship
 only the adapter (`adapter_model.safetensors`, loadable with `PeftModel.from_pretrained(drafter, folder)`).
+Training is a stage-2 `DrafterTrainingModel` around the PEFT model, which leaves PEFT's trainable flags alone.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # peft and transformers.Trainer load lazily: `import dcoco_hf.training` stays light
+if TYPE_CHECKING:  # peft loads lazily: `import dcoco_hf.training` stays light
     from peft import LoraConfig
-
-    from .trainer import DrafterTrainingModel
 
 BACKBONE_LINEARS = ["fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # `delta_logits` is read through its `.weight` in DCOCOCorrector.forward, so a LoRA wrapper there would never apply.
@@ -30,13 +29,6 @@ def lora_config_for_drafter(r: int = 16, alpha: int = 32, include_corrector: boo
 
     modules = BACKBONE_LINEARS + (CORRECTOR_LINEARS if include_corrector else [])
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules)
-
-
-def lora_training_model(peft_drafter: nn.Module, target: nn.Module, **kwargs) -> DrafterTrainingModel:
-    """A stage-2 `DrafterTrainingModel` around a PEFT-wrapped drafter: only the LoRA weights train."""
-    from .trainer import DrafterTrainingModel
-
-    return DrafterTrainingModel(peft_drafter, target, stage=2, **kwargs)
 
 
 @torch.no_grad()
@@ -56,4 +48,4 @@ def measure_tau(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.L
     return committed / max(forwards, 1)
 
 
-__all__ = ["BACKBONE_LINEARS", "CORRECTOR_LINEARS", "lora_config_for_drafter", "lora_training_model", "measure_tau"]
+__all__ = ["BACKBONE_LINEARS", "CORRECTOR_LINEARS", "lora_config_for_drafter", "measure_tau"]
