@@ -492,6 +492,9 @@ def format_report(report: dict[str, Any]) -> str:
     config = report["config"]
     mode = "greedy" if config.get("temperature", 0.0) == 0.0 else f"sampling T={config['temperature']}"
     detail = f"{mode}, max {config.get('max_new_tokens')} new tokens"
+    if config.get("block_size") is not None:
+        vocab = config.get("draft_vocab_size")
+        detail += f", block {config['block_size']}, {f'draft vocab {vocab}' if vocab else 'full vocab'}"
     parts = [format_table(summary, f"== suite {suite} ({detail}) ==") for suite, summary in report["suites"].items()]
     parts.append(format_table(report["methods"], f"== overall ({detail}) =="))
     return "\n\n".join(parts)

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "token information, so the kept slots predict much as before; a longer one would ask for "
                        "slots the drafter never learned, so it is refused. "
                        "Useful where verifying a long block is expensive (CPU).")
+    bench.add_argument("--full-vocab", action="store_true",
+                       help="propose from the whole vocabulary even if the drafter has a draft vocabulary (to measure "
+                       "what the draft vocabulary saves; outputs are identical either way)")
     bench.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                        help="target KV cache: dynamic (default) or static (the GPU/torch.compile path)")
     bench.add_argument("--warmup", type=int, default=1,
@@ -415,6 +418,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     loaded = load_models(args, need_drafter=bool(DRAFTER_METHODS & set(methods)))
     trained_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
     block_size = apply_block_size(loaded.drafter, args.block_size) if loaded.drafter is not None else None
+    if args.full_vocab and loaded.drafter is not None:
+        loaded.drafter.set_draft_vocabulary(None)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -465,6 +470,7 @@ def run_config(
         "block_size": block_size,
         "trained_block_size": trained_block,
         "top_k": drafter.config.top_k if drafter is not None else None,
+        "draft_vocab_size": drafter.config.draft_vocab_size if drafter is not None else None,
         "selection": drafter.config.selection if drafter is not None else None,
         "device": str(loaded.device),
         "device_name": (

@@ -201,8 +201,12 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.corrector = DCOCOCorrector(config.hidden_size, config.corrector_rank, config.corrector_hidden)
+        # Saved with the weights when the config has a draft vocabulary; None proposes from the whole vocabulary.
+        size = config.draft_vocab_size
+        self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
         self._target_ref: weakref.ReferenceType | None = None
         self._tap: TargetTap | None = None
+        self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
         self.post_init()
 
     # ------------------------------------------------------------------ construction and attachment
@@ -270,7 +274,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     def __getstate__(self) -> dict[str, Any]:
         # Copies and pickles carry weights, not the binding to a live target (re-attach the copy).
         state = super().__getstate__()
-        state.update(_target_ref=None, _tap=None, _last_engine=None)
+        state.update(_target_ref=None, _tap=None, _last_engine=None, _draft_head=None)
         return state
 
     @property
@@ -330,6 +334,54 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         lm_head = self.target.get_output_embeddings()
         return lm_head(slot_hidden.to(lm_head.weight.dtype))
 
+    def set_draft_vocabulary(self, token_ids: torch.Tensor | list[int] | None) -> "DCOCODrafter":
+        """Propose only from `token_ids` (e.g. the target's most frequent tokens), or from every token with None.
+
+        FR-Spec's observation: a small drafter spends most of its forward in the lm_head over the whole vocabulary
+        (49152 x 576 for SmolLM2, 151936 x 4096 for Qwen3), while the target writes a few thousand tokens almost
+        all of the time. Outputs cannot change, since the target verifies every token; a token outside the draft
+        vocabulary is simply never proposed. `scripts/draft_vocab.py` builds one from training data. Returns self.
+        """
+        if token_ids is None:
+            self.draft_token_ids, self.config.draft_vocab_size, self._draft_head = None, None, None
+            return self
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        vocab = self.config.vocab_size
+        if ids.numel() < self.config.top_k:
+            raise ValueError(
+                f"The draft vocabulary has {ids.numel()} tokens, fewer than top_k={self.config.top_k} candidates per "
+                "slot; pass more tokens or lower config.top_k."
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"Draft vocabulary ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}.")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("The draft vocabulary lists a token twice; pass each token id once.")
+        # Ascending ids: top-K ties then break towards the lower token id, as over the whole vocabulary.
+        self.draft_token_ids = ids.sort().values.to(self.fc.weight.device)
+        self.config.draft_vocab_size = ids.numel()
+        self._draft_head = None
+        return self
+
+    def proposal_logits(self, slot_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor | None]:
+        """Float logits [..., V'] over the tokens the drafter may propose, and the token id of each column
+        (None: column = token id, the whole vocabulary)."""
+        if self.draft_token_ids is None:
+            return self.slot_logits(slot_hidden).float(), None
+        weight, bias = self._draft_lm_head()
+        return nn.functional.linear(slot_hidden.to(weight.dtype), weight, bias).float(), self.draft_token_ids
+
+    def _draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target lm_head's rows of the draft vocabulary, sliced once per (lm_head, vocabulary)."""
+        lm_head = self.target.get_output_embeddings()
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        # _version catches in-place weight updates (load_state_dict); inference tensors have no version counter.
+        version = 0 if weight.is_inference() else weight._version
+        key = (weight.data_ptr(), version, weight.device, weight.dtype, self.draft_token_ids.data_ptr())
+        if self._draft_head is None or self._draft_head[0] != key:
+            ids = self.draft_token_ids.to(weight.device)
+            self._draft_head = (key, weight.detach()[ids], None if bias is None else bias.detach()[ids])
+        return self._draft_head[1], self._draft_head[2]
+
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
         return self.target.get_input_embeddings()(token_ids)
 
@@ -366,8 +418,10 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
         cache.truncate(kept)
         slot_hidden = out.last_hidden_state[:, 1:]  # [B, S, H]
-        logits = self.slot_logits(slot_hidden).float()  # [B, S, V]
+        logits, column_tokens = self.proposal_logits(slot_hidden)  # [B, S, V'] over the draft vocabulary
         candidate_logits, candidates = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)  # [B, S, K]
+        if column_tokens is not None:
+            candidates = column_tokens[candidates]
         sync()
         backbone_seconds = time.perf_counter() - start
 

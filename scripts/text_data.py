@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--target", default=None, help="target folder or Hub id, for its tokenizer (default: SmolLM2)")
     parser.add_argument("--code", type=int, default=1200, help="number of stdlib function sources (of ~2100)")
+    parser.add_argument("--code-skip", type=int, default=0,
+                        help="skip this many shuffled sources first (a second folder that does not repeat the first)")
     parser.add_argument("--docs", type=int, default=None, help="number of documentation pieces (default: all)")
     parser.add_argument("--max-length", type=int, default=384)
     parser.add_argument("--seed", type=int, default=0)
@@ -35,7 +37,7 @@ def main() -> None:
     code, docs = stdlib_source_pairs(), python_docs_pairs()
     rng.shuffle(code)
     rng.shuffle(docs)
-    pairs = code[: args.code] + docs[: args.docs]
+    pairs = code[args.code_skip : args.code_skip + args.code] + docs[: args.docs]
     rng.shuffle(pairs)
     teacher_forced_shards(tokenizer, pairs, args.out, max_length=args.max_length)
 

@@ -225,6 +225,24 @@ def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
     return [record for path in paths for record in torch.load(path)]
 
 
+def draft_vocabulary(
+    records: list[dict[str, torch.Tensor]], vocab_size: int, size: int, always: list[int] = ()
+) -> tuple[torch.LongTensor, float]:
+    """The `size` tokens written most often in the records' learned spans (`loss_mask`), plus `always` (end-of-turn
+    ids, which are rare but end every answer); and the share of those spans' tokens the result covers."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for record in records:
+        counts += torch.bincount(record["input_ids"][record["loss_mask"].bool()].long(), minlength=vocab_size)
+    if counts.sum() == 0:
+        raise ValueError("The records have no learned tokens (loss_mask is empty everywhere); pass real training data.")
+    keep = torch.zeros(vocab_size, dtype=torch.bool)
+    keep[list(always)] = True
+    ranked = counts.argsort(descending=True, stable=True)
+    ranked = ranked[~keep[ranked]]
+    keep[ranked[: max(0, size - int(keep.sum()))]] = True
+    return keep.nonzero().squeeze(1), float(counts[keep].sum() / counts.sum())
+
+
 def _record(prompt: torch.LongTensor, response: torch.LongTensor) -> dict[str, torch.Tensor]:
     input_ids = torch.cat([prompt, response]).to(torch.int32)
     loss_mask = torch.zeros(input_ids.shape[0], dtype=torch.bool)

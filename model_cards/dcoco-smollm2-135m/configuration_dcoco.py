@@ -41,6 +41,10 @@ class DCOCOConfig(PreTrainedConfig):
             "viterbi" (best global path, paper's control) or "geometric" (global path with transitions weighted by
             `geometric_lambda ** p`, paper's second control).
         geometric_lambda: decay of the geometric walk.
+        draft_vocab_size: when set, the drafter proposes only from this many target tokens (a frequency-ranked
+            draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
+            unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
+            draft_vocab_size times cheaper. None: the whole vocabulary.
     """
 
     model_type = "dcoco"
@@ -71,6 +75,7 @@ class DCOCOConfig(PreTrainedConfig):
     corrector_hidden: int = 256
     selection: str = "greedy"
     geometric_lambda: float = 0.75
+    draft_vocab_size: int | None = None
 
     def __init__(
         self,
@@ -98,6 +103,7 @@ class DCOCOConfig(PreTrainedConfig):
         corrector_hidden: int = 256,
         selection: str = "greedy",
         geometric_lambda: float = 0.75,
+        draft_vocab_size: int | None = None,
         layer_types: list[str] | None = None,
         dflash_config: dict[str, Any] | None = None,
         **kwargs: Any,
@@ -132,6 +138,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.corrector_hidden = corrector_hidden
         self.selection = selection
         self.geometric_lambda = geometric_lambda
+        self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
         # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.
         kwargs["auto_map"] = dict(AUTO_MAP)
@@ -148,6 +155,11 @@ class DCOCOConfig(PreTrainedConfig):
             raise ValueError(f"geometric_lambda={self.geometric_lambda} must lie in (0, 1].")
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
+        if self.draft_vocab_size is not None and not self.top_k <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must lie in [top_k={self.top_k}, vocab_size={self.vocab_size}]"
+                "; use None to propose from the whole vocabulary."
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

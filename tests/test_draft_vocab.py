@@ -1,0 +1,99 @@
+"""Frequency-ranked draft vocabulary: proposals come only from it, outputs stay exact, and it saves and loads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import PROMPT_LEN, scrambled
+from test_corrector import _contexts, _propose
+
+from dcoco_hf import DCOCOConfig, DCOCODrafter
+from dcoco_hf.training.data import draft_vocabulary
+
+
+def _greedy_records(target, rows: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    prompts = torch.randint(0, target.config.vocab_size, (rows, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+    sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=30, do_sample=False)
+    mask = torch.zeros_like(sequences, dtype=torch.bool)
+    mask[:, PROMPT_LEN:] = True
+    return [{"input_ids": s, "loss_mask": m} for s, m in zip(sequences, mask)]
+
+
+def test_draft_vocabulary_ranks_learned_tokens_and_keeps_always():
+    records = [
+        {"input_ids": torch.tensor([9, 9, 9, 1, 1, 2, 3]), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1]).bool()},
+        {"input_ids": torch.tensor([4, 1, 2, 5]), "loss_mask": torch.tensor([0, 1, 1, 1]).bool()},
+    ]
+    # learned tokens: 1 x3, 2 x2, 3 x1, 5 x1 (the unlearned 9s and 4 do not count)
+    ids, coverage = draft_vocabulary(records, vocab_size=12, size=3, always=[11])
+    assert ids.tolist() == [1, 2, 11]
+    assert coverage == pytest.approx(5 / 7)
+    ids, coverage = draft_vocabulary(records, vocab_size=12, size=2, always=[1])  # `always` is not counted twice
+    assert ids.tolist() == [1, 2] and coverage == pytest.approx(5 / 7)
+    with pytest.raises(ValueError, match="no learned tokens"):
+        draft_vocabulary([{"input_ids": torch.tensor([1]), "loss_mask": torch.tensor([False])}], 12, 2)
+
+
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
+def test_proposals_are_the_top_k_inside_the_draft_vocabulary(fitted):
+    """Same logits as the whole-vocabulary drafter, restricted to the draft vocabulary, best first."""
+    target, trained = fitted
+    vocab, k = trained.config.vocab_size, trained.config.top_k
+    subset = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 2]
+    sequences, states = _contexts(target, trained)
+
+    everything = copy.deepcopy(trained).attach(target)
+    everything.config.top_k = vocab  # the whole ranking, to filter by hand
+    full = _propose(everything, sequences, states, cut=12, correct=False)
+    restricted = copy.deepcopy(trained).attach(target).set_draft_vocabulary(subset)
+    got = _propose(restricted, sequences, states, cut=12, correct=False)
+
+    inside = torch.isin(full.candidates, subset)  # [B, S, V]
+    order = inside.float().argsort(dim=-1, descending=True, stable=True)[..., :k]  # first K inside, ranking kept
+    assert torch.equal(got.candidates, full.candidates.gather(-1, order))
+    torch.testing.assert_close(got.candidate_logits, full.candidate_logits.gather(-1, order))
+    assert torch.isin(got.tokens, subset).all()
+
+
+@pytest.mark.parametrize("variant", ["fitted", "scrambled"])
+def test_greedy_stays_exact_with_a_draft_vocabulary(fitted, variant):
+    target, trained = fitted
+    drafter = scrambled(trained, seed=2) if variant == "scrambled" else copy.deepcopy(trained).attach(target)
+    ids, coverage = draft_vocabulary(_greedy_records(target), target.config.vocab_size, size=24)
+    drafter.set_draft_vocabulary(ids)
+    accepted = 0
+    for seed in range(4):
+        prompt = torch.randint(0, target.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+        expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+        got = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+        assert got.tolist() == expected.tolist()
+        accepted += sum(drafter.generation_stats(got).accepted)
+    assert coverage > 0.5 and accepted > 0  # drafts from the restricted vocabulary were really accepted
+
+
+def test_draft_vocabulary_saves_loads_and_can_be_removed(tmp_path, fitted):
+    target, trained = fitted
+    drafter = copy.deepcopy(trained).attach(target).set_draft_vocabulary([7, 3, 5, 1, 0, 9])
+    drafter.save_pretrained(tmp_path / "with")
+    loaded = DCOCODrafter.from_pretrained(tmp_path / "with")
+    assert loaded.config.draft_vocab_size == 6
+    assert loaded.draft_token_ids.tolist() == [0, 1, 3, 5, 7, 9]
+    loaded.set_draft_vocabulary(None).save_pretrained(tmp_path / "without")
+    again = DCOCODrafter.from_pretrained(tmp_path / "without")
+    assert again.config.draft_vocab_size is None and again.draft_token_ids is None
+
+
+def test_bad_draft_vocabularies_are_refused(fitted):
+    target, trained = fitted
+    drafter = copy.deepcopy(trained).attach(target)
+    vocab, k = drafter.config.vocab_size, drafter.config.top_k
+    with pytest.raises(ValueError, match="fewer than top_k"):
+        drafter.set_draft_vocabulary(list(range(k - 1)))
+    with pytest.raises(ValueError, match=r"must lie in \[0, "):
+        drafter.set_draft_vocabulary(list(range(k - 1)) + [vocab])
+    with pytest.raises(ValueError, match="twice"):
+        drafter.set_draft_vocabulary([0, 0, *range(1, k)])
+    with pytest.raises(ValueError, match="draft_vocab_size=2 must lie in"):
+        DCOCOConfig(vocab_size=vocab, top_k=4, target_layer_ids=[0], draft_vocab_size=2)
