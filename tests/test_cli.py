@@ -172,6 +172,25 @@ def test_bench_block_size_and_static_cache(tiny):
         assert len(report["methods"][name]["per_slot_accept"]) <= 3
 
 
+def test_bench_draft_vocabulary_and_full_vocab(tiny):
+    """A drafter saved with a draft vocabulary benches with it (exactly), and --full-vocab drops it for the run."""
+    folder = tiny.root / "drafter-vocab"
+    DCOCODrafter.from_pretrained(tiny.root / "drafter").set_draft_vocabulary(list(range(0, VOCAB, 2))).save_pretrained(
+        folder
+    )
+    for flag, size in (((), VOCAB // 2), (("--full-vocab",), None)):
+        out = tiny.root / f"vocab-{size}.json"
+        result = run_cli(
+            "bench", "--target", tiny.root / "target", "--drafter", folder, "--prompts", tiny.prompts, "--limit", 1,
+            "--max-new-tokens", 8, "--warmup", 0, "--methods", "vanilla,dcoco", *flag, "--json", out,
+        )
+        assert result.code == 0, result.err
+        report = json.loads(out.read_text())
+        assert report["config"]["draft_vocab_size"] == size
+        assert report["methods"]["dcoco"]["equal_to_vanilla"] == 1.0
+        assert (f"draft vocab {size}" if size else "full vocab") in result.out
+
+
 def test_bench_sampling_reports_no_equality(tiny):
     result = run_cli(
         "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 1, "--max-new-tokens", 6, "--warmup", 0,

@@ -356,7 +356,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             raise ValueError(f"Draft vocabulary ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}.")
         if ids.unique().numel() != ids.numel():
             raise ValueError("The draft vocabulary lists a token twice; pass each token id once.")
-        # Ascending ids: top-K ties then break towards the lower token id, as over the whole vocabulary.
+        # Stored ascending, so the same set of tokens always gives the same buffer (and the same saved file).
         self.draft_token_ids = ids.sort().values.to(self.fc.weight.device)
         self.config.draft_vocab_size = ids.numel()
         self._draft_head = None
