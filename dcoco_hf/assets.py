@@ -397,3 +397,10 @@ def chat_input_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.Lon
     )
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return ids.long()
+
+
+def eos_token_ids(eos_token_id: int | list[int] | None) -> list[int]:
+    """A generation config's `eos_token_id` (one id, a list or None) as a list of ids."""
+    if eos_token_id is None:
+        return []
+    return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)

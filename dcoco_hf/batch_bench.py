@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from .assets import eos_token_ids
 from .generation import speculative_generate
 from .modeling_dcoco import DCOCODrafter
 
@@ -97,8 +98,7 @@ def run_batch_bench(
         kwargs["temperature"] = temperature
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
-    eos = set(eos_token_id if isinstance(eos_token_id, list) else
-              [eos_token_id] if eos_token_id is not None else _default_eos(target))
+    eos = set(eos_token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id))
     results: dict[str, Any] = {}
     for batch_size in batch_sizes:
         count = max(len(prompts), batch_size)
@@ -134,11 +134,6 @@ def run_batch_bench(
               "device": str(device), "dtype": str(target.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads()}
     return {"config": config, "results": results}
-
-
-def _default_eos(target: PreTrainedModel) -> list[int]:
-    eos = target.generation_config.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 def _summarise(totals: dict[str, dict[str, Any]], batches: int, greedy: bool) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.assets import default_target_path
+from dcoco_hf.assets import default_target_path, eos_token_ids
 from dcoco_hf.training.data import draft_vocabulary, load_shards
 
 
@@ -33,8 +33,7 @@ def main() -> None:
         drafter.set_draft_vocabulary(None)
         print("draft vocabulary removed: the drafter proposes from all tokens")
     else:
-        eos = GenerationConfig.from_pretrained(args.target or default_target_path()).eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        eos = eos_token_ids(GenerationConfig.from_pretrained(args.target or default_target_path()).eos_token_id)
         records = [record for folder in args.data for record in load_shards(folder)]
         ids, coverage = draft_vocabulary(records, drafter.config.vocab_size, args.size, always=eos)
         drafter.set_draft_vocabulary(ids)

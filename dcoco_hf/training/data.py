@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids
+from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",
@@ -252,7 +252,7 @@ def _record(prompt: torch.LongTensor, response: torch.LongTensor) -> dict[str, t
 
 def _until_eos(row: torch.LongTensor, eos: int | list[int] | None) -> torch.LongTensor:
     """Cut a generated row after its first EOS (batched generate pads finished rows after it)."""
-    eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=row.dtype)
+    eos_ids = torch.tensor(eos_token_ids(eos), dtype=row.dtype)
     stops = torch.isin(row, eos_ids).nonzero()
     return row[: int(stops[0]) + 1] if stops.numel() else row
 
