@@ -1,0 +1,53 @@
+"""Train/inference parity: every block drafted at generation time equals the packed training forward at its anchor.
+
+Both paths that call `DCOCODrafter.propose` (transformers' assisted generation and the batched loop) must hand the
+drafter exactly what training showed it: the target states of every position before the anchor, the same positions
+and the same block. A drift here (an off-by-one position, a lost context row) keeps outputs lossless but silently
+costs acceptance, so no exactness test would catch it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcoco_hf import speculative_generate
+from dcoco_hf.training import pack_blocks, target_context
+
+
+@pytest.mark.parametrize("path", ["assisted", "batched"])
+def test_drafted_blocks_equal_the_training_forward(fitted, path, monkeypatch):
+    target, drafter = fitted
+    cfg = drafter.config
+    drafted = []  # (anchor position, context rows the drafter holds, candidate logits [S, K]) per cycle
+    propose = drafter.propose
+
+    def recording(anchor_ids, context_hidden_states, position_ids, cache, *args, **kwargs):
+        seen = cache.get_seq_length() + context_hidden_states.shape[1]
+        proposal = propose(anchor_ids, context_hidden_states, position_ids, cache, *args, **kwargs)
+        drafted.append((int(position_ids[0, -cfg.block_size]), seen, proposal.candidate_logits[0]))
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    ids = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    common = dict(max_new_tokens=40, do_sample=False)
+    if path == "assisted":
+        out = target.generate(ids, assistant_model=drafter, **common)
+        # transformers asks for the first draft before its prefill: that block is drafted from the anchor alone.
+        assert drafted[0][:2] == (ids.shape[1] - 1, 0)
+        drafted = drafted[1:]
+    else:
+        out = speculative_generate(target, ids, drafter=drafter, **common).sequences
+    assert len(drafted) >= 3
+    assert [seen for _, seen, _ in drafted] == [anchor for anchor, _, _ in drafted]  # all rows before the anchor
+
+    states, argmax = target_context(target, cfg.target_layer_ids, out)
+    anchors = torch.tensor([[anchor for anchor, _, _ in drafted]])  # [1, m]
+    everything = torch.ones_like(out, dtype=torch.bool)
+    blocks = pack_blocks(out, argmax, everything, anchors, torch.ones_like(anchors, dtype=torch.bool),
+                         cfg.block_size, cfg.mask_token_id)
+    with torch.no_grad():
+        hidden = drafter(drafter.embed(blocks.block_ids), states, blocks.position_ids, blocks.attention_mask)
+        slot_hidden = hidden.last_hidden_state.view(anchors.shape[1], cfg.block_size, -1)[:, 1:]  # [m, S, H]
+        trained = drafter.proposal_logits(slot_hidden)[0].topk(cfg.top_k, dim=-1).values  # [m, S, K]
+    torch.testing.assert_close(torch.stack([logits for _, _, logits in drafted]), trained, atol=1e-4, rtol=1e-4)
