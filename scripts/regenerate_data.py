@@ -1,6 +1,6 @@
 """Regenerate drafter training data: the target answers held-out-safe prompts greedily (resumable).
 
-    python scripts/regenerate_data.py --out data/smollm2 --code 480 --chat 320
+    python scripts/regenerate_data.py --out data/smollm2 --code 480 --chat 320 [--shards 4]
 
 Prompts: documented Python stdlib functions ("complete the function") and questions the target writes itself.
 Never HumanEval or MT-Bench, which stay held out for evaluation.
@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--chat", type=int, default=320, help="number of self-instruct chat prompts")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--shards", type=int, default=None,
+                        help="stop after the first N shards of 64 answers (rerun without it to go on)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -42,7 +44,7 @@ def main() -> None:
         chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
         prompts = stdlib_code_prompts(args.code, seed=args.seed) + chat
         prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed))]
-    regenerate(target, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size)
+    regenerate(target, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, max_shards=args.shards)
 
 
 if __name__ == "__main__":

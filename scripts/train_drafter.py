@@ -26,6 +26,9 @@ from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 
+NEW_DRAFTER = {"layers": 1, "block_size": 16, "target_layers_read": 5, "top_k": 16}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, choices=(1, 2), required=True)
@@ -36,10 +39,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--init", default=None, help="drafter folder to start from (required for stage 2)")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--target-layers-read", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=16)
+    # Architecture of a new drafter (defaults in NEW_DRAFTER); with --init it comes from that folder instead.
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 1)")
+    p.add_argument("--block-size", type=int, default=None, help="anchor + mask slots (default 16)")
+    p.add_argument("--target-layers-read", type=int, default=None, help="target layers fused (default 5)")
+    p.add_argument("--top-k", type=int, default=None, help="corrector candidates per slot (default 16)")
     p.add_argument("--init-from-target", action="store_true", help="warm-start layers from the target's last ones")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)
@@ -51,7 +55,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; fp16 overflows in fc)")
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    args = p.parse_args()
+    given = [name for name in NEW_DRAFTER if getattr(args, name) is not None] + (
+        ["init_from_target"] if args.init_from_target else []
+    )
+    if args.init and given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        p.error(f"{flags}: these shape a new drafter, but --init {args.init} brings its own architecture; drop them")
+    for name, default in NEW_DRAFTER.items():
+        if not args.init and getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
 
 
 def main() -> None:

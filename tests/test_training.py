@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +142,34 @@ def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_human
         assert tokenizer.decode(ids[~mask]).endswith(f"{user}<|im_end|>\n<|im_start|>assistant\n")
         assert answer.startswith(tokenizer.decode(ids[mask]))
     assert tokenizer.decode(records[2]["input_ids"][records[2]["loss_mask"]].long()) == "Hi there!"
+
+
+def test_train_script_refuses_architecture_flags_next_to_init():
+    """With --init the architecture comes from that folder; a --layers beside it would be silently ignored."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_drafter.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--stage", "2", "--init", "runs/stage1/final", "--layers", "3", "--top-k", "8",
+         "--data", "data", "--output", "out"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert "--layers, --top-k: these shape a new drafter, but --init runs/stage1/final brings its own" in result.stderr
+
+
+def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp_path):
+    from test_cli import tiny_tokenizer
+
+    from dcoco_hf.training.data import regenerate
+
+    target, tokenizer = make_target("llama"), tiny_tokenizer()
+    tokenizer.pad_token = "<unk>"
+    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(5)]
+    common = dict(max_new_tokens=4, batch_size=2, shard_size=2)
+    regenerate(target, tokenizer, prompts, tmp_path, max_shards=2, **common)
+    assert sorted(path.name for path in tmp_path.glob("shard-*.pt")) == ["shard-00000.pt", "shard-00001.pt"]
+    first = load_shards(tmp_path)
+    regenerate(target, tokenizer, prompts, tmp_path, **common)
+    records = load_shards(tmp_path)
+    assert len(first) == 4 and len(records) == 5
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, records))  # shards kept as they were
+    assert all(int(record["loss_mask"].sum()) == 4 for record in records)  # 4 new tokens each, no EOS in the tiny model

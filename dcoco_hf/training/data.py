@@ -190,15 +190,17 @@ def regenerate(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     shard_size: int = 64,
+    max_shards: int | None = None,
 ) -> Path:
     """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
 
-    Resumable: shards already on disk are skipped. Prompts are sorted by length inside a shard to waste less padding.
+    Resumable: shards already on disk are skipped, and `max_shards` stops early (a later call without it goes on
+    with the same prompts). Prompts are sorted by length inside a shard to waste less padding.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "prompts.json").write_text(json.dumps(prompts))
-    shards = list(_batches(prompts, shard_size))
+    shards = list(_batches(prompts, shard_size))[:max_shards]
     for index, shard in enumerate(tqdm(shards, desc="regenerate", unit="shard")):
         path = out_dir / f"shard-{index:05d}.pt"
         if path.exists():
