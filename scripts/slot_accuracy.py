@@ -1,0 +1,66 @@
+"""Training-mode slot accuracy of a drafter: on its training records vs on held-out answers of the target.
+
+    python scripts/slot_accuracy.py --drafter model_cards/dcoco-smollm2-135m --data data/smollm2 --limit 5
+
+The same packed forward as training (`drafter_loss`, every response position an anchor, top-1 over the whole
+vocabulary) runs on (a) the first records of each training folder and (b) the target's own greedy answers to the
+first `--limit` HumanEval and MT-Bench prompts. A large gap between the two is a generalisation gap (more varied
+data helps); accuracy at generation time that falls short of (b) would instead be a train/inference mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from dcoco_hf import DCOCODrafter
+from dcoco_hf.assets import chat_input_ids, load_default_target, suite_prompts
+from dcoco_hf.training import drafter_loss, target_context
+from dcoco_hf.training.data import load_shards
+
+
+@torch.no_grad()
+def slot_accuracy(drafter: DCOCODrafter, input_ids: torch.LongTensor, loss_mask: torch.BoolTensor) -> torch.Tensor:
+    """Top-1 accuracy per slot [S] over every anchor of one sequence [1, T] (anchors before response tokens)."""
+    states, argmax = target_context(drafter.target, drafter.config.target_layer_ids, input_ids)
+    anchors = int(loss_mask.sum())
+    return drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors, dcoco=False).slot_accuracy
+
+
+def held_out_answers(target, tokenizer, suite: str, limit: int, max_new_tokens: int):
+    for prompt in suite_prompts(suite)[:limit]:
+        ids = chat_input_ids(tokenizer, prompt)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        mask = torch.zeros_like(out, dtype=torch.bool)
+        mask[:, ids.shape[1] :] = True
+        yield out, mask
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", required=True, help="drafter folder")
+    parser.add_argument("--data", type=Path, nargs="+", required=True, help="training data folders (shard-*.pt)")
+    parser.add_argument("--limit", type=int, default=5, help="records per data folder and prompts per suite")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    target, tokenizer = load_default_target()
+    drafter = DCOCODrafter.from_pretrained(args.drafter).attach(target).eval()
+    sources = {
+        f"train {folder}": (
+            (r["input_ids"][None], r["loss_mask"][None].bool()) for r in load_shards(folder)[: args.limit]
+        )
+        for folder in args.data
+    }
+    for suite in ("humaneval", "mtbench"):
+        sources[f"held-out {suite}"] = held_out_answers(target, tokenizer, suite, args.limit, args.max_new_tokens)
+    print("per-slot top-1 accuracy (slot 1 first), mean over sequences")
+    for name, sequences in sources.items():
+        accuracy = torch.stack([slot_accuracy(drafter, ids, mask) for ids, mask in sequences]).mean(0)
+        print(f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy.tolist()))
+
+
+if __name__ == "__main__":
+    main()
