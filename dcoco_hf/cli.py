@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     bench.add_argument("--block-size", type=int, default=None,
-                       help="draft block size for this run (anchor + B-1 drafted tokens); at most the block size the "
-                       "drafter was trained with. A shorter block only drops trailing mask slots, which carry no "
-                       "token information, so the kept slots predict much as before; a longer one would ask for "
+                       help="draft block size for this run (anchor + B-1 drafted tokens); at most the drafter's "
+                       "config.block_size. A shorter block only drops trailing mask slots, which carry no "
+                       "token information, so the kept slots predict much as before; a longer one may ask for "
                        "slots the drafter never learned, so it is refused. "
                        "Useful where verifying a long block is expensive (CPU).")
     bench.add_argument("--full-vocab", action="store_true",
@@ -389,14 +389,15 @@ def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
 
 
 def apply_block_size(drafter: DCOCODrafter, block_size: int | None) -> int:
-    """Shorten the drafter's block for this process (never beyond what it was trained for); returns the block size."""
-    trained = drafter.config.block_size
+    """Shorten the drafter's block for this process (never beyond its config's); returns the block size."""
+    configured = drafter.config.block_size
     if block_size is None:
-        return trained
-    if not 2 <= block_size <= trained:
+        return configured
+    if not 2 <= block_size <= configured:
         raise CLIError(
-            f"--block-size {block_size}: must lie in [2, {trained}]; this drafter was trained with blocks of {trained} "
-            "and cannot predict slots beyond them"
+            f"--block-size {block_size}: must lie in [2, {configured}], the drafter's config.block_size. A drafter "
+            "predicts no slot beyond the blocks it was trained with; to draft longer blocks, raise block_size in its "
+            "config.json up to that size (its model card says which)"
         )
     drafter.config.block_size = block_size
     # transformers reads the draft length from the assistant's generation config.
@@ -416,7 +417,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CLIError(str(err), exit_code=1) from None
     prompts = collect_prompts(args)
     loaded = load_models(args, need_drafter=bool(DRAFTER_METHODS & set(methods)))
-    trained_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
+    config_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
     block_size = apply_block_size(loaded.drafter, args.block_size) if loaded.drafter is not None else None
     if args.full_vocab and loaded.drafter is not None:
         loaded.drafter.set_draft_vocabulary(None)
@@ -429,7 +430,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     _log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
     records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
-    config = run_config(args, loaded, methods, prompts, block_size, trained_block)
+    config = run_config(args, loaded, methods, prompts, block_size, config_block)
     report = build_report(records, methods, config)
     print(format_report(report))
     if args.json is not None:
@@ -449,7 +450,7 @@ def run_config(
     methods: Sequence[str],
     prompts: Sequence[PromptItem],
     block_size: int | None,
-    trained_block: int | None,
+    config_block: int | None,
 ) -> dict[str, Any]:
     """Everything needed to reproduce or compare a run."""
     suites: dict[str, int] = {}
@@ -468,7 +469,7 @@ def run_config(
         "seed": args.seed,
         "warmup": args.warmup,
         "block_size": block_size,
-        "trained_block_size": trained_block,
+        "config_block_size": config_block,
         "top_k": drafter.config.top_k if drafter is not None else None,
         "draft_vocab_size": drafter.config.draft_vocab_size if drafter is not None else None,
         "selection": drafter.config.selection if drafter is not None else None,

@@ -100,7 +100,7 @@ def test_bench_json_schema(bench_run, tiny):
     config = report["config"]
     for key in ("command_line", "target", "drafter", "block_size", "device", "dtype", "torch", "transformers"):
         assert key in config, key
-    assert config["block_size"] == config["trained_block_size"] == 8
+    assert config["block_size"] == config["config_block_size"] == 8
     assert config["device"] == "cpu" and config["dtype"] == "float32"
     assert config["command_line"][:2] == ["dcoco-hf", "bench"]
     assert len(report["runs"]) == 2 * len(METHODS)
@@ -164,7 +164,7 @@ def test_bench_block_size_and_static_cache(tiny):
     )
     assert result.code == 0, result.err
     report = json.loads((tiny.root / "static.json").read_text())
-    assert report["config"]["block_size"] == 4 and report["config"]["trained_block_size"] == 8
+    assert report["config"]["block_size"] == 4 and report["config"]["config_block_size"] == 8
     assert report["config"]["cache"] == "static"
     for name in ("prompt_lookup", "dflash", "dcoco"):  # prompt lookup and DFlash overrun an exact-size static cache
         assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
@@ -247,7 +247,7 @@ def test_missing_default_drafter_says_pass_drafter(tiny, monkeypatch):
 
 def test_too_long_block_size_is_refused(tiny):
     result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--methods", "dcoco", "--block-size", 9)
-    assert result.code == 2 and "trained with blocks of 8" in result.err
+    assert result.code == 2 and "must lie in [2, 8], the drafter's config.block_size" in result.err
 
 
 def test_missing_matplotlib_names_the_extra(tiny, monkeypatch):
