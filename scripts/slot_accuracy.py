@@ -11,9 +11,11 @@ data helps); accuracy at generation time that falls short of (b) would instead b
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import chat_input_ids, load_default_target, suite_prompts
@@ -29,7 +31,10 @@ def slot_accuracy(drafter: DCOCODrafter, input_ids: torch.LongTensor, loss_mask:
     return drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors, dcoco=False).slot_accuracy
 
 
-def held_out_answers(target, tokenizer, suite: str, limit: int, max_new_tokens: int):
+def held_out_answers(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, suite: str, limit: int, max_new_tokens: int
+) -> Iterator[tuple[torch.LongTensor, torch.BoolTensor]]:
+    """The target's greedy answers [1, T] to the first `limit` prompts of `suite`, with their response masks."""
     for prompt in suite_prompts(suite)[:limit]:
         ids = chat_input_ids(tokenizer, prompt)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
