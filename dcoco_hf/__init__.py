@@ -8,6 +8,7 @@ contextual corrector.
 
 from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
 from .configuration_dcoco import DCOCOConfig
+from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
 from .corrector import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from .generation import SpeculativeOutput, speculative_generate
 from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
@@ -24,11 +25,14 @@ __all__ = [
     "DCOCODrafter",
     "DCOCOStats",
     "DraftProposal",
+    "FewRowsLinear",
     "SpeculativeOutput",
     "TargetTap",
     "prefix_first_walk",
+    "restore_linear",
     "select_candidates",
     "speculative_generate",
     "spread_layer_ids",
+    "use_few_rows_linear",
     "viterbi_walk",
 ]

@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .assets import eos_token_ids
+from .cpu_linear import few_rows_max, use_few_rows_linear
 from .generation import speculative_generate
 from .modeling_dcoco import DCOCODrafter
 
@@ -227,6 +228,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     if args.random_drafter:
         loaded = cli.load_models(args, need_drafter=False)
         drafter = DCOCODrafter.from_target(loaded.target).eval()
+        if few_rows_max(loaded.target) is not None:
+            use_few_rows_linear(drafter, few_rows_max(loaded.target))
         drafter_name = "random (DCOCODrafter.from_target)"
     else:
         loaded = cli.load_models(args, need_drafter=True)
@@ -241,7 +244,10 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         loaded.target, drafter, prompts, batch_sizes, args.max_new_tokens, methods, temperature=args.temperature,
         pad_token_id=0 if pad is None else pad, warmup=args.warmup, seed=args.seed,
     )
-    report["config"].update(target=loaded.target_name, drafter=drafter_name, command_line=["dcoco-hf", *args.argv])
+    report["config"].update(
+        target=loaded.target_name, drafter=drafter_name, command_line=["dcoco-hf", *args.argv],
+        few_rows_linear=few_rows_max(loaded.target),
+    )
     print(format_batch_table(report))
     if args.json is not None:
         path = Path(args.json).expanduser()

@@ -269,7 +269,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
         self.stats = DCOCOStats(drafter.config.block_size, drafter.config.top_k)
         self._pending_cycle: tuple[int, int, int, DraftProposal] | None = None  # (len, drafted, forwards, proposal)
-        self._closed_at: int | None = None
+        self._closed_sequence: torch.LongTensor | None = None
         self._last_committed: torch.LongTensor | None = None
         self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
         self.tap.listen()
@@ -313,14 +313,17 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         Raises if `sequences` did not come from this engine's generate() call (for instance a later call with too
         few new tokens to draft never consulted the drafter): statistics are never silently attributed to it.
         """
-        if self._closed_at is None:
-            self._check_same_call(sequences[0])
-            self._finish_cycle(sequences[0])
-            self._book_coverage(sequences[0])
-            self._closed_at = sequences.shape[1]
-            self.stats.target_forwards = self.tap.forward_count
-            self.stats.target_seconds = self.tap.seconds
-            self.tap.listening = False  # the call is over: plain use of the target records nothing more
+        if self._closed_sequence is not None:  # closed already: only the very same sequences may ask again
+            if not torch.equal(sequences[0].to(self._closed_sequence.device), self._closed_sequence):
+                raise RuntimeError(_OTHER_CALL)
+            return
+        self._check_same_call(sequences[0])
+        self._finish_cycle(sequences[0])
+        self._book_coverage(sequences[0])
+        self._closed_sequence = sequences[0].clone()
+        self.stats.target_forwards = self.tap.forward_count
+        self.stats.target_seconds = self.tap.seconds
+        self.tap.listening = False  # the call is over: plain use of the target records nothing more
 
     # ------------------------------------------------------------------ internals
 
@@ -387,10 +390,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             and all(start >= last.shape[0] - 1 for start in later_starts)
         )
         if not same:
-            raise RuntimeError(
-                "These sequences did not come from the last generate() call that consulted this drafter (a call with "
-                "fewer than 2 new tokens never drafts). Statistics exist only for calls that used the drafter."
-            )
+            raise RuntimeError(_OTHER_CALL)
 
     def _book_coverage(self, sequence: torch.LongTensor) -> None:
         """Per slot: was the token finally committed at that position the drafter's top-1, or inside its top-K?"""
@@ -403,6 +403,12 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 stats.slot_top1[slot] += bool(hits[slot, 0])
                 stats.slot_topk[slot] += bool(hits[slot].any())
         self._slot_candidates = []
+
+
+_OTHER_CALL = (
+    "These sequences did not come from the last generate() call that consulted this drafter (a call with fewer than 2 "
+    "new tokens never drafts). Statistics exist only for calls that used the drafter."
+)
 
 
 def one_hot_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.FloatTensor:

@@ -30,6 +30,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from . import __version__
 from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from .batch_bench import add_bench_batch_parser
+from .cpu_linear import few_rows_max, use_few_rows_linear
 from .bench import (
     DRAFTER_METHODS,
     METHODS,
@@ -141,6 +142,10 @@ def _common_options() -> argparse.ArgumentParser:
                         "installed, else sdpa)")
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
+    common.add_argument("--plain-linear", action="store_true",
+                        help="on CPU, keep torch's GEMM for 2-6 row forwards of the target and drafter instead of "
+                        "the W @ x^T layout that makes verify and draft forwards cheaper (dcoco_hf/cpu_linear.py); "
+                        "plain decoding is identical either way")
     return common
 
 
@@ -272,6 +277,10 @@ def load_models(args: argparse.Namespace, need_drafter: bool) -> Loaded:
         drafter_spec = args.drafter or str(default_drafter_path())
     target, tokenizer, target_name = load_target(args.target, device, dtype, attn)
     drafter = load_drafter(drafter_spec, target, device, dtype, attn) if need_drafter else None
+    if device.type == "cpu" and not args.plain_linear:  # cheaper verify (and block) forwards; see cpu_linear.py
+        for model in (target, drafter):
+            if model is not None:
+                use_few_rows_linear(model)
     return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
 
 
@@ -480,6 +489,7 @@ def run_config(
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "attn_implementation": loaded.attn,
         "cache": args.cache,
+        "few_rows_linear": few_rows_max(loaded.target),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

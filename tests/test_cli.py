@@ -166,6 +166,7 @@ def test_bench_block_size_and_static_cache(tiny):
     report = json.loads((tiny.root / "static.json").read_text())
     assert report["config"]["block_size"] == 4 and report["config"]["config_block_size"] == 8
     assert report["config"]["cache"] == "static"
+    assert report["config"]["few_rows_linear"] == 6  # CPU default: 4-row verify forwards take the W @ x^T layout
     for name in ("prompt_lookup", "dflash", "dcoco"):  # prompt lookup and DFlash overrun an exact-size static cache
         assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
     for name in ("dflash", "dcoco"):
@@ -178,7 +179,7 @@ def test_bench_draft_vocabulary_and_full_vocab(tiny):
     DCOCODrafter.from_pretrained(tiny.root / "drafter").set_draft_vocabulary(list(range(0, VOCAB, 2))).save_pretrained(
         folder
     )
-    for flag, size in (((), VOCAB // 2), (("--full-vocab",), None)):
+    for flag, size in (((), VOCAB // 2), (("--full-vocab", "--plain-linear"), None)):
         out = tiny.root / f"vocab-{size}.json"
         result = run_cli(
             "bench", "--target", tiny.root / "target", "--drafter", folder, "--prompts", tiny.prompts, "--limit", 1,
@@ -187,6 +188,7 @@ def test_bench_draft_vocabulary_and_full_vocab(tiny):
         assert result.code == 0, result.err
         report = json.loads(out.read_text())
         assert report["config"]["draft_vocab_size"] == size
+        assert report["config"]["few_rows_linear"] == (6 if size else None)
         assert report["methods"]["dcoco"]["equal_to_vanilla"] == 1.0
         assert (f"draft vocab {size}" if size else "full vocab") in result.out
 

@@ -199,3 +199,15 @@ def test_drafter_generate_directly(drafter):
         drafter.generate(_ids(), max_new_tokens=5)
     with pytest.raises(TypeError, match="does not generate text by itself"):
         drafter.generate(_ids())
+
+
+def test_stats_of_a_closed_call_are_not_given_to_a_later_call(fitted):
+    """Once generation_stats(out) closed a call, a later call that never drafted must not inherit its statistics."""
+    target, drafter = fitted
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    stats = drafter.generation_stats(out)
+    assert drafter.generation_stats(out) is stats  # asking again with the same sequences is fine
+    single = target.generate(ids, max_new_tokens=1, do_sample=False, assistant_model=drafter)
+    with pytest.raises(RuntimeError, match="never drafts"):
+        drafter.generation_stats(single)
