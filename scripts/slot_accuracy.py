@@ -5,7 +5,9 @@
 The same packed forward as training (`drafter_loss`, every response position an anchor, top-1 over the whole
 vocabulary) runs on (a) the first records of each training folder and (b) the target's own greedy answers to the
 first `--limit` HumanEval and MT-Bench prompts. A large gap between the two is a generalisation gap (more varied
-data helps). Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design: cycles start
+data helps). The last two columns measure the corrector: over adjacent slot pairs whose true tokens are both in the
+top-K, given the true predecessor, how often the true successor is the drafter's top-1 and how often it is the
+corrector's best successor (the prefix-first walk's pick). Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design: cycles start
 right after a rejection, at the harder positions. Train/inference mismatches are caught by
 tests/test_train_inference_parity.py instead.
 """
@@ -27,10 +29,12 @@ from dcoco_hf.training.data import load_shards
 
 @torch.no_grad()
 def slot_accuracy(drafter: DCOCODrafter, input_ids: torch.LongTensor, loss_mask: torch.BoolTensor) -> torch.Tensor:
-    """Top-1 accuracy per slot [S] over every anchor of one sequence [1, T] (anchors before response tokens)."""
+    """Over every anchor of one sequence [1, T] (anchors before response tokens): top-1 accuracy per slot, then the
+    successor accuracy of the drafter and of the corrector given the true predecessor -> [S + 2]."""
     states, argmax = target_context(drafter.target, drafter.config.target_layer_ids, input_ids)
     anchors = int(loss_mask.sum())
-    return drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors, dcoco=False).slot_accuracy
+    out = drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors)
+    return torch.cat([out.slot_accuracy, torch.stack(out.successor_accuracy)])
 
 
 def held_out_answers(
@@ -63,10 +67,11 @@ def main() -> None:
     }
     for suite in ("humaneval", "mtbench"):
         sources[f"held-out {suite}"] = held_out_answers(target, tokenizer, suite, args.limit, args.max_new_tokens)
-    print("per-slot top-1 accuracy (slot 1 first), mean over sequences")
+    print("per-slot top-1 accuracy (slot 1 first) | successor accuracy given the true predecessor, both in the "
+          "top-K: drafter top-1, corrector (mean over sequences)")
     for name, sequences in sources.items():
-        accuracy = torch.stack([slot_accuracy(drafter, ids, mask) for ids, mask in sequences]).mean(0)
-        print(f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy.tolist()))
+        accuracy = torch.stack([slot_accuracy(drafter, ids, mask) for ids, mask in sequences]).nanmean(0).tolist()
+        print(f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy[:-2]) + " | {:.2f} {:.2f}".format(*accuracy[-2:]))
 
 
 if __name__ == "__main__":

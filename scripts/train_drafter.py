@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target-layers-read", type=int, default=None, help="target layers fused (default 5)")
     p.add_argument("--top-k", type=int, default=None, help="corrector candidates per slot (default 16)")
     p.add_argument("--init-from-target", action="store_true", help="warm-start layers from the target's last ones")
+    p.add_argument("--corrector-only", action="store_true",
+                   help="stage 2: freeze the backbone and train only the corrector (needs --init)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -62,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     if args.init and given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         p.error(f"{flags}: these shape a new drafter, but --init {args.init} brings its own architecture; drop them")
+    if args.corrector_only and (args.stage != 2 or not args.init):
+        p.error("--corrector-only trains the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
     for name, default in NEW_DRAFTER.items():
         if not args.init and getattr(args, name) is None:
             setattr(args, name, default)
@@ -98,7 +102,9 @@ def main() -> None:
         report_to=[], remove_unused_columns=False, dataloader_num_workers=0, seed=args.seed,
         disable_tqdm=False,
     )
-    model = DrafterTrainingModel(drafter, target, stage=args.stage, num_anchors=args.num_anchors)
+    model = DrafterTrainingModel(
+        drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only
+    )
     pad = target.generation_config.pad_token_id or 0
     trainer = DrafterTrainer(
         model=model, args=training_args, train_dataset=records,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_target
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from dcoco_hf import FewRowsLinear, restore_linear, use_few_rows_linear
-from dcoco_hf import cpu_linear
+from dcoco_hf import FewRowsLinear, cpu_linear, restore_linear, use_few_rows_linear
 from dcoco_hf.cpu_linear import few_rows_max
 
 
@@ -83,3 +83,15 @@ def test_plain_generate_is_bit_identical_and_speculation_stays_exact(fitted):
     finally:
         restore_linear(target)
         drafter.config.block_size = block
+
+
+def test_lora_wrapped_target():
+    """LoRA layers keep their own forward; the plain layers inside take the new layout with unchanged results."""
+    target = make_target("qwen3")
+    lora = get_peft_model(target, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = torch.randint(0, target.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
+    expected = lora(ids).logits
+    use_few_rows_linear(lora)
+    wrappers = [m for m in lora.modules() if type(m).__name__ == "Linear" and hasattr(m, "base_layer")]
+    assert wrappers and all(type(m.base_layer) is FewRowsLinear for m in wrappers)
+    torch.testing.assert_close(lora(ids).logits, expected, rtol=1e-5, atol=1e-5)

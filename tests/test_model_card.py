@@ -16,6 +16,7 @@ from transformers import AutoModel
 import dcoco_hf
 from dcoco_hf.assets import load_default_target
 from dcoco_hf.cli import DEFAULT_DRAFTER_NAME
+from dcoco_hf.cpu_linear import use_few_rows_linear
 
 CARD = Path(__file__).resolve().parents[1] / "model_cards" / DEFAULT_DRAFTER_NAME
 CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "candidate_generator.py")
@@ -36,9 +37,13 @@ def test_shipped_code_matches_the_package(name):
 
 
 @pytest.mark.slow
-def test_shipped_drafter_is_lossless_on_the_default_target():
+@pytest.mark.parametrize("few_rows", [False, True], ids=["torch-linear", "few-rows-linear"])
+def test_shipped_drafter_is_lossless_on_the_default_target(few_rows):
     target, tokenizer = load_default_target()
     drafter = AutoModel.from_pretrained(CARD, trust_remote_code=True).attach(target)
+    if few_rows:  # the CLI's CPU default: 4-row verify forwards of the real target take the W @ x^T layout
+        use_few_rows_linear(target)
+        use_few_rows_linear(drafter)
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that reverses a string."}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True,
@@ -48,3 +53,14 @@ def test_shipped_drafter_is_lossless_on_the_default_target():
         got = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
     assert got.tolist() == expected.tolist()
     assert drafter.generation_stats(got).committed_tokens == 24
+
+
+def test_card_results_table_matches_its_bench_json():
+    """The headline numbers in the card are bench.json's, not typed by hand."""
+    bench = json.loads((CARD / "bench.json").read_text())["suites"]
+    card = (CARD / "README.md").read_text()
+    rows = {("humaneval", "dcoco"): "| HumanEval | DCOCO (prefix-first walk) |", ("mtbench", "dcoco"): "| MT-Bench | DCOCO |",
+            ("mtbench", "dflash"): "| MT-Bench | plain DFlash |"}
+    for (suite, method), prefix in rows.items():
+        summary = bench[suite][method]
+        assert f"{prefix} {summary['tau']:.2f} | {summary['speedup']:.2f}x |" in card, (suite, method)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_target
+from conftest import fit_drafter, make_target
 from transformers import TrainingArguments
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.training import pack_blocks, sample_anchors, transition_labels
 from dcoco_hf.training.data import cache_target_features, load_shards
+from dcoco_hf.training.objective import successor_accuracy
 from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 
@@ -68,6 +69,17 @@ def test_transition_labels_need_both_tokens_in_top_k():
     assert index[0, 0] == 1 * 2 + 0 and usable.tolist() == [[True, False]]
 
 
+def test_successor_accuracy_compares_the_drafters_pick_with_the_correctors():
+    scores = torch.zeros(1, 2, 3, 3)  # [R, P, K, K]; untrained corrector: the drafter's order, candidate 0 first
+    scores[..., 0] = 1.0
+    scores[0, 1, 2, 1] = 5.0  # pair 2: after candidate 2, the corrector prefers candidate 1
+    pair_index = torch.tensor([[0 * 3 + 0, 2 * 3 + 1]])  # true pairs: (0 -> 0) and (2 -> 1)
+    drafter, corrector = successor_accuracy(scores, pair_index, torch.ones(1, 2, dtype=torch.bool))
+    assert drafter == 0.5 and corrector == 1.0
+    drafter, corrector = successor_accuracy(scores, pair_index, torch.tensor([[True, False]]))
+    assert drafter == 1.0 and corrector == 1.0
+
+
 def _records(target, n=12, length=30):
     prompts = torch.randint(0, target.config.vocab_size, (n, 5), generator=torch.Generator().manual_seed(1))
     seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=length, do_sample=False)
@@ -109,6 +121,8 @@ def test_trainer_stages_resume_and_export(tmp_path):
     trainer = _trainer(model2, tmp_path / "s2", steps=2)
     trainer.train()
     assert drafter.corrector.delta_out.weight.abs().sum() > 0
+    logged = [entry for entry in trainer.state.log_history if "successor_corrector_acc" in entry]
+    assert logged and all(0 <= entry["successor_drafter_acc"] <= 1 for entry in logged)
     resumed = _trainer(model2, tmp_path / "s2", steps=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "s2" / "checkpoint-2"))
     assert resumed.state.global_step == 4
@@ -154,6 +168,28 @@ def test_train_script_refuses_architecture_flags_next_to_init():
     )
     assert result.returncode == 2
     assert "--layers, --top-k: these shape a new drafter, but --init runs/stage1/final brings its own" in result.stderr
+
+
+def test_train_script_corrector_only_needs_stage_2_and_init():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_drafter.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--stage", "1", "--corrector-only", "--data", "data", "--output", "out"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2 and "use it with --stage 2 --init FOLDER" in result.stderr
+
+
+def test_corrector_only_training_keeps_the_backbone(tmp_path):
+    target = make_target("llama")
+    drafter = fit_drafter(target, block_size=6, top_k=4, steps=60)  # a random one has no usable pair to learn from
+    with pytest.raises(ValueError, match="needs stage=2"):
+        DrafterTrainingModel(drafter, target, stage=1, corrector_only=True)
+    model = DrafterTrainingModel(drafter, target, stage=2, num_anchors=4, corrector_only=True)
+    model._records = _records(target)
+    backbone = {k: v.clone() for k, v in drafter.state_dict().items() if not k.startswith("corrector.")}
+    _trainer(model, tmp_path, steps=3).train()
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in backbone.items())
+    assert drafter.corrector.delta_out.weight.abs().sum() > 0
 
 
 def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp_path):

@@ -19,6 +19,9 @@ class DrafterLoss:
     dflash: torch.Tensor
     dcoco: torch.Tensor | None
     slot_accuracy: torch.Tensor  # [B-1] top-1 accuracy per slot on labelled slots (0 where none is labelled)
+    # Stage 2, over usable pairs (both true tokens in the top-K), given the true predecessor: how often the true
+    # successor is the drafter's top-1, and how often it is the corrector's best successor (what the walk picks).
+    successor_accuracy: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -94,5 +97,25 @@ def drafter_loss(
         drafter.embed(candidates.flatten(0, 1)[rows]).to(slot_hidden.dtype),
         candidate_logits.flatten(0, 1)[rows],
     )  # [R, S-1, K, K]
-    stage2 = dcoco_loss(scores, pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows], rho)
-    return DrafterLoss(stage1 + stage2, stage1.detach(), stage2.detach(), accuracy)
+    pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
+    stage2 = dcoco_loss(scores, pair_index, usable, rho)
+    return DrafterLoss(
+        stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(scores, pair_index, usable)
+    )
+
+
+@torch.no_grad()
+def successor_accuracy(
+    transition_scores: torch.Tensor, pair_index: torch.LongTensor, usable: torch.BoolTensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafter, corrector) top-1 accuracy of the successor given the true predecessor, over usable pairs.
+
+    transition_scores [R, P, K, K]; pair_index / usable [R, P] from `transition_labels`. Candidates are sorted by
+    drafter logit, so the drafter's pick is candidate 0; the corrector's is the best entry of the predecessor's row.
+    """
+    k = transition_scores.shape[-1]
+    before, after = pair_index // k, pair_index % k  # [R, P]
+    row = transition_scores.gather(-2, before[..., None, None].expand(*before.shape, 1, k)).squeeze(-2)  # [R, P, K]
+    drafter = (after == 0)[usable].float().mean()
+    corrector = (row.argmax(-1) == after)[usable].float().mean()
+    return drafter, corrector

@@ -20,18 +20,27 @@ from .objective import drafter_loss, target_context
 
 
 class DrafterTrainingModel(nn.Module):
-    """The drafter (trainable) next to its frozen target. `stage` 1 = DFlash only, 2 = DFlash + DCOCO."""
+    """The drafter (trainable) next to its frozen target. `stage` 1 = DFlash only, 2 = DFlash + DCOCO.
+
+    `corrector_only` (stage 2) freezes the backbone and trains the corrector alone: a cheap extra stage for a drafter
+    whose backbone is done, since no gradient then flows through the drafter's layers.
+    """
 
     def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
-                 gamma: float | None = None, rho: float = 4.0) -> None:
+                 gamma: float | None = None, rho: float = 4.0, corrector_only: bool = False) -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: use 1 (DFlash) or 2 (joint DFlash + DCOCO).")
+        if corrector_only and (stage != 2 or hasattr(drafter, "peft_config")):
+            raise ValueError("corrector_only trains the corrector on the DCOCO loss: it needs stage=2 and a plain "
+                             "(non-PEFT) drafter.")
         self.drafter = drafter
         self.__dict__["target"] = target.eval().requires_grad_(False)  # unregistered: never saved, never wrapped
         self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
         # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone. A PEFT
         # drafter already trains exactly its adapters, so its flags stay as PEFT set them.
+        if corrector_only:
+            drafter.requires_grad_(False)
         if not hasattr(drafter, "peft_config"):
             drafter.corrector.requires_grad_(stage == 2)
 
@@ -46,7 +55,10 @@ class DrafterTrainingModel(nn.Module):
             self.drafter, input_ids, loss_mask, context_states.to(self.drafter.dtype),
             target_argmax, self.num_anchors, self.gamma, self.rho, dcoco=self.stage == 2,
         )
-        return {"loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy}
+        return {
+            "loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy,
+            "successor_accuracy": out.successor_accuracy,
+        }
 
 
 @dataclass
@@ -90,6 +102,10 @@ class DrafterTrainer(Trainer):
                 parts["dcoco_loss"] = float(outputs["dcoco"])
             accuracy = outputs["slot_accuracy"]
             parts["slot1_acc"], parts["slot_mean_acc"] = float(accuracy[0]), float(accuracy.mean())
+            if outputs["successor_accuracy"] is not None:  # the corrector's repairs: compare the two
+                parts["successor_drafter_acc"], parts["successor_corrector_acc"] = map(
+                    float, outputs["successor_accuracy"]
+                )
             self._parts = parts
         return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
 
