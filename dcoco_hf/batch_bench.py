@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .assets import eos_token_ids
-from .cpu_linear import few_rows_max, use_few_rows_linear
+from .cpu_linear import few_rows_max
 from .generation import speculative_generate
 from .modeling_dcoco import DCOCODrafter
 
@@ -228,8 +228,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     if args.random_drafter:
         loaded = cli.load_models(args, need_drafter=False)
         drafter = DCOCODrafter.from_target(loaded.target).eval()
-        if few_rows_max(loaded.target) is not None:
-            use_few_rows_linear(drafter, few_rows_max(loaded.target))
+        cli.use_cpu_layout(args, loaded.device, drafter)
         drafter_name = "random (DCOCODrafter.from_target)"
     else:
         loaded = cli.load_models(args, need_drafter=True)

@@ -30,7 +30,6 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from . import __version__
 from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from .batch_bench import add_bench_batch_parser
-from .cpu_linear import few_rows_max, use_few_rows_linear
 from .bench import (
     DRAFTER_METHODS,
     METHODS,
@@ -43,6 +42,7 @@ from .bench import (
     format_report,
     run_bench,
 )
+from .cpu_linear import few_rows_max, use_few_rows_linear
 from .modeling_dcoco import DCOCODrafter
 from .plots import require_matplotlib, write_plots
 
@@ -277,11 +277,17 @@ def load_models(args: argparse.Namespace, need_drafter: bool) -> Loaded:
         drafter_spec = args.drafter or str(default_drafter_path())
     target, tokenizer, target_name = load_target(args.target, device, dtype, attn)
     drafter = load_drafter(drafter_spec, target, device, dtype, attn) if need_drafter else None
-    if device.type == "cpu" and not args.plain_linear:  # cheaper verify (and block) forwards; see cpu_linear.py
-        for model in (target, drafter):
+    use_cpu_layout(args, device, target, drafter)
+    return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
+
+
+def use_cpu_layout(args: argparse.Namespace, device: torch.device, *models: torch.nn.Module | None) -> None:
+    """On CPU, unless --plain-linear: the few-rows linear layout for each model, so verify and block forwards are
+    cheap (see cpu_linear.py)."""
+    if device.type == "cpu" and not args.plain_linear:
+        for model in models:
             if model is not None:
                 use_few_rows_linear(model)
-    return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
 
 
 def load_target(

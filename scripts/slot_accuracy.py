@@ -7,9 +7,9 @@ vocabulary) runs on (a) the first records of each training folder and (b) the ta
 first `--limit` HumanEval and MT-Bench prompts. A large gap between the two is a generalisation gap (more varied
 data helps). The last two columns measure the corrector: over adjacent slot pairs whose true tokens are both in the
 top-K, given the true predecessor, how often the true successor is the drafter's top-1 and how often it is the
-corrector's best successor (the prefix-first walk's pick). Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design: cycles start
-right after a rejection, at the harder positions. Train/inference mismatches are caught by
-tests/test_train_inference_parity.py instead.
+corrector's best successor (the prefix-first walk's pick). Coverage measured during generation (`dcoco-hf bench`)
+runs lower than (b) by design: cycles start right after a rejection, at the harder positions. Train/inference
+mismatches are caught by tests/test_train_inference_parity.py instead.
 """
 
 from __future__ import annotations

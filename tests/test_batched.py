@@ -290,6 +290,11 @@ def test_bench_batch_cli(fitted, arch, tmp_path):
     assert list(report["results"]) == ["1", "3"]
     assert all(row["dcoco"]["equal_to_vanilla"] for row in report["results"].values())
     assert "dcoco/dflash" in result.out
+    assert report["config"]["few_rows_linear"] == 6  # CPU default layout
+    random = run_cli("bench-batch", "--target", tmp_path / "target", "--random-drafter", "--prompts", prompts,
+                     "--batch-size", "1", "--max-new-tokens", 6, "--warmup", 0, "--json", tmp_path / "random.json")
+    assert random.code == 0, random.err
+    assert json.loads((tmp_path / "random.json").read_text())["results"]["1"]["dcoco"]["equal_to_vanilla"]
     bad = run_cli("bench-batch", "--target", tmp_path / "target", "--random-drafter", "--prompts", prompts,
                   "--batch-size", "0,x")
     assert bad.code == 2 and "--batch-size" in bad.err

@@ -37,10 +37,10 @@ class DrafterTrainingModel(nn.Module):
         self.drafter = drafter
         self.__dict__["target"] = target.eval().requires_grad_(False)  # unregistered: never saved, never wrapped
         self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
+        if corrector_only:
+            drafter.requires_grad_(False)  # the corrector is switched back on just below
         # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone. A PEFT
         # drafter already trains exactly its adapters, so its flags stay as PEFT set them.
-        if corrector_only:
-            drafter.requires_grad_(False)
         if not hasattr(drafter, "peft_config"):
             drafter.corrector.requires_grad_(stage == 2)
 
