@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -46,9 +46,11 @@ __all__ = [
     "default_target_path",
     "download_wheel",
     "humaneval_prompts",
+    "left_pad",
     "load_default_target",
     "load_prompts_file",
     "mtbench_prompts",
+    "padding_id",
     "suite_prompts",
 ]
 
@@ -397,6 +399,26 @@ def chat_input_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.Lon
     )
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return ids.long()
+
+
+def left_pad(prompts: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Prompts of token ids ([T] or [1, T] each) -> (input_ids [B, L], attention_mask [B, L]), left-padded."""
+    width = max(p.shape[-1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[-1] :] = prompt.reshape(-1)
+        mask[row, width - prompt.shape[-1] :] = 1
+    return ids, mask
+
+
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id to left-pad batches with: the pad token, else EOS, else 0. Padded positions are masked out, so any id
+    is correct; many chat tokenizers simply define no pad token."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    return 0
 
 
 def eos_token_ids(eos_token_id: int | list[int] | None) -> list[int]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids
+from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",
@@ -170,7 +170,7 @@ def self_instruct_prompts(target, tokenizer, count: int, seed: int = 0, batch_si
     ]
     questions = []
     for batch in _batches(asks, batch_size):
-        ids, mask = _left_padded([chat_input_ids(tokenizer, a)[0] for a in batch], tokenizer.pad_token_id)
+        ids, mask = left_pad([chat_input_ids(tokenizer, a)[0] for a in batch], padding_id(tokenizer))
         out = target.generate(
             ids, attention_mask=mask, max_new_tokens=48, do_sample=True, temperature=0.9, top_p=0.95,
         )
@@ -208,7 +208,7 @@ def regenerate(
         encoded = sorted((chat_input_ids(tokenizer, p)[0] for p in shard), key=len)
         records = []
         for batch in _batches(encoded, batch_size):
-            ids, mask = _left_padded(batch, tokenizer.pad_token_id)
+            ids, mask = left_pad(batch, padding_id(tokenizer))
             out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
             for prompt, row in zip(batch, out[:, ids.shape[1] :]):
                 response = _until_eos(row, target.generation_config.eos_token_id)
@@ -257,16 +257,6 @@ def _until_eos(row: torch.LongTensor, eos: int | list[int] | None) -> torch.Long
     eos_ids = torch.tensor(eos_token_ids(eos), dtype=row.dtype)
     stops = torch.isin(row, eos_ids).nonzero()
     return row[: int(stops[0]) + 1] if stops.numel() else row
-
-
-def _left_padded(rows: list[torch.LongTensor], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = row
-        mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def _batches(items: list, size: int) -> Iterator[list]:
