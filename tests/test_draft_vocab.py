@@ -10,7 +10,9 @@ from conftest import PROMPT_LEN, scrambled
 from test_corrector import _contexts, _propose
 
 from dcoco_hf import DCOCOConfig, DCOCODrafter
+from dcoco_hf.training import drafter_loss, pack_blocks, sample_anchors, target_context
 from dcoco_hf.training.data import draft_vocabulary
+from dcoco_hf.training.losses import default_gamma, dflash_loss
 
 
 def _greedy_records(target, rows: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -97,3 +99,32 @@ def test_bad_draft_vocabularies_are_refused(fitted):
         drafter.set_draft_vocabulary([0, 0, *range(1, k)])
     with pytest.raises(ValueError, match="draft_vocab_size=2 must lie in"):
         DCOCOConfig(vocab_size=vocab, top_k=4, target_layer_ids=[0], draft_vocab_size=2)
+
+
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
+def test_training_ranks_only_the_draft_vocabulary(fitted):
+    """With a draft vocabulary the DFlash loss is the slot cross-entropy over those tokens alone (the ranking
+    `propose` uses), labels outside it are dropped, and stage 2's candidates are that ranking's top-K token ids."""
+    target, trained = fitted
+    records = _greedy_records(target)
+    ids, mask = torch.stack([r["input_ids"] for r in records]), torch.stack([r["loss_mask"] for r in records])
+    cfg = trained.config
+    states, argmax = target_context(target, cfg.target_layer_ids, ids)
+    common_label = int(argmax[mask].mode().values)
+    subset = torch.tensor([t for t in range(cfg.vocab_size) if t != common_label and t % 3])  # drops real labels
+    drafter = copy.deepcopy(trained).attach(target).set_draft_vocabulary(subset)
+    got = drafter_loss(drafter, ids, mask, states, argmax, num_anchors=8, generator=torch.Generator().manual_seed(0))
+
+    # The same anchors and blocks by hand, scored by the whole lm_head, then restricted to the subset.
+    anchors, valid = sample_anchors(mask, 8, torch.Generator().manual_seed(0))
+    blocks = pack_blocks(ids, argmax, mask, anchors, valid, cfg.block_size, cfg.mask_token_id)
+    hidden = drafter(drafter.embed(blocks.block_ids), states, blocks.position_ids, blocks.attention_mask)
+    slot_hidden = hidden.last_hidden_state.view(*anchors.shape, cfg.block_size, -1)[:, :, 1:]
+    proposable = torch.isin(blocks.labels, subset)
+    assert (blocks.label_mask & ~proposable).any()  # the test really drops labels
+    labelled = blocks.label_mask & proposable
+    logits = drafter.slot_logits(slot_hidden[labelled])[:, subset]  # [L, |subset|], columns in subset order
+    columns = torch.searchsorted(subset, blocks.labels[labelled])
+    expected = dflash_loss(logits, columns, labelled.nonzero()[:, -1], cfg.block_size, default_gamma(cfg.block_size))
+    torch.testing.assert_close(got.dflash, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert got.dcoco is not None and torch.isfinite(got.dcoco)

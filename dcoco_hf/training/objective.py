@@ -70,11 +70,14 @@ def drafter_loss(
         drafter.embed(blocks.block_ids), context_states, blocks.position_ids, blocks.attention_mask
     ).last_hidden_state
     slot_hidden = hidden.view(n, m, cfg.block_size, -1)[:, :, 1:]  # [N, m, S, H]
-    # The lm_head over the whole vocabulary dominates a step's cost, so only labelled slots go through it: on
-    # teacher-forced text many slots lie past the point where the text leaves the target's greedy path.
-    labelled = blocks.label_mask  # [N, m, S]
-    slot, labels = labelled.nonzero()[:, -1], blocks.labels[labelled]  # [L], [L]
-    logits = drafter.slot_logits(slot_hidden[labelled])  # [L, V]
+    # The softmax runs over exactly the tokens the drafter may propose (its draft vocabulary, if it has one), as
+    # `propose` ranks them; a label outside it can never be proposed, so it teaches nothing and is dropped.
+    columns = drafter.draft_columns(blocks.labels)  # [N, m, S] label -> logit column (-1: not proposable)
+    # The lm_head dominates a step's cost, so only labelled slots go through it: on teacher-forced text many slots
+    # lie past the point where the text leaves the target's greedy path.
+    labelled = blocks.label_mask & (columns >= 0)  # [N, m, S]
+    slot, labels = labelled.nonzero()[:, -1], columns[labelled]  # [L], [L] (columns of the labels)
+    logits, column_tokens = drafter.proposal_logits(slot_hidden[labelled])  # [L, V'], token id of each column
     gamma = gamma if gamma is not None else default_gamma(cfg.block_size)
     stage1 = dflash_loss(logits, labels, slot, cfg.block_size, gamma)
     with torch.no_grad():
@@ -84,7 +87,9 @@ def drafter_loss(
     if not dcoco:
         return DrafterLoss(stage1, stage1.detach(), None, accuracy)
 
-    top_logits, top_ids = logits.float().topk(cfg.top_k, dim=-1)  # [L, K]
+    top_logits, top_ids = logits.topk(cfg.top_k, dim=-1)  # [L, K]
+    if column_tokens is not None:
+        top_ids = column_tokens[top_ids]  # candidates are token ids, as in `propose`
     # Unlabelled slots get placeholder candidates: every pair touching them is unusable, and a pair's score reads
     # only its own two slots, so they never reach the loss.
     candidates = top_ids.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_ids)  # [N, m, S, K]

@@ -370,6 +370,16 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         weight, bias = self._draft_lm_head()
         return nn.functional.linear(slot_hidden.to(weight.dtype), weight, bias).float(), self.draft_token_ids
 
+    def draft_columns(self, token_ids: torch.LongTensor) -> torch.LongTensor:
+        """The column of each token in `proposal_logits` (-1 for a token outside the draft vocabulary); without a
+        draft vocabulary, the token ids themselves."""
+        if self.draft_token_ids is None:
+            return token_ids
+        ids = self.draft_token_ids.to(token_ids.device)
+        column_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        column_of[ids] = torch.arange(ids.numel(), device=token_ids.device)
+        return column_of[token_ids]
+
     def _draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target lm_head's rows of the draft vocabulary, sliced once per (lm_head, vocabulary)."""
         lm_head = self.target.get_output_embeddings()
