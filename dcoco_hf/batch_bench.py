@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .assets import eos_token_ids
-from .cpu_linear import few_rows_max
+from .assets import eos_token_ids, left_pad, padding_id
+from .cpu_linear import few_rows_plan
 from .generation import speculative_generate
 from .modeling_dcoco import DCOCODrafter
 
@@ -33,17 +33,6 @@ BATCH_METHODS = ("vanilla", "dflash", "dcoco")
 
 def _log(message: str) -> None:
     print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
-
-
-def left_pad(prompts: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """1-D prompts -> (input_ids [B, L], attention_mask [B, L]), left-padded."""
-    width = max(p.shape[-1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.shape[-1] :] = prompt.reshape(-1)
-        mask[row, width - prompt.shape[-1] :] = 1
-    return ids, mask
 
 
 def new_token_counts(sequences: torch.LongTensor, prompt_len: int, eos: set[int]) -> list[int]:
@@ -237,15 +226,14 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
     tokenizer = loaded.tokenizer
     prompts = [encode_prompt(tokenizer, item.text)[0] for item in items]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     _log(f"batched benchmark of {','.join(methods)} on {len(prompts)} prompt(s), batch sizes {batch_sizes}")
     report = run_batch_bench(
         loaded.target, drafter, prompts, batch_sizes, args.max_new_tokens, methods, temperature=args.temperature,
-        pad_token_id=0 if pad is None else pad, warmup=args.warmup, seed=args.seed,
+        pad_token_id=padding_id(tokenizer), warmup=args.warmup, seed=args.seed,
     )
     report["config"].update(
         target=loaded.target_name, drafter=drafter_name, command_line=["dcoco-hf", *args.argv],
-        few_rows_linear=few_rows_max(loaded.target),
+        few_rows_linear=few_rows_plan(loaded.target),
     )
     print(format_batch_table(report))
     if args.json is not None:
@@ -256,4 +244,4 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["BATCH_METHODS", "format_batch_table", "left_pad", "run_batch_bench"]
+__all__ = ["BATCH_METHODS", "format_batch_table", "run_batch_bench"]

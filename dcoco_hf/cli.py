@@ -42,7 +42,7 @@ from .bench import (
     format_report,
     run_bench,
 )
-from .cpu_linear import few_rows_max, use_few_rows_linear
+from .cpu_linear import DEFAULT_MAX_ROWS, few_rows_plan, use_few_rows_linear
 from .modeling_dcoco import DCOCODrafter
 from .plots import require_matplotlib, write_plots
 
@@ -143,9 +143,10 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
     common.add_argument("--plain-linear", action="store_true",
-                        help="on CPU, keep torch's GEMM for 2-6 row forwards of the target and drafter instead of "
-                        "the W @ x^T layout that makes verify and draft forwards cheaper (dcoco_hf/cpu_linear.py); "
-                        "plain decoding is identical either way")
+                        help="on CPU, keep torch's GEMM for few-row forwards of the target and drafter instead of "
+                        "the fastest layout measured on this machine (W @ x^T or MKL's packed GEMM), which makes "
+                        "verify and draft forwards cheaper (dcoco_hf/cpu_linear.py); plain decoding is identical "
+                        "either way")
     return common
 
 
@@ -282,12 +283,28 @@ def load_models(args: argparse.Namespace, need_drafter: bool) -> Loaded:
 
 
 def use_cpu_layout(args: argparse.Namespace, device: torch.device, *models: torch.nn.Module | None) -> None:
-    """On CPU, unless --plain-linear: the few-rows linear layout for each model, so verify and block forwards are
-    cheap (see cpu_linear.py)."""
-    if device.type == "cpu" and not args.plain_linear:
-        for model in models:
-            if model is not None:
-                use_few_rows_linear(model)
+    """On CPU, unless --plain-linear: the few-rows linear layout measured fastest on this machine for each model, so
+    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the drafter's block: a verify forward
+    has one block, the drafter's key/value projections the block plus the newly committed context rows."""
+    if device.type != "cpu" or args.plain_linear:
+        return
+    drafter = next((m for m in models if isinstance(m, DCOCODrafter)), None)
+    max_rows = max(DEFAULT_MAX_ROWS, 2 * drafter.config.block_size if drafter is not None else 0)
+    for model in models:
+        if model is not None:
+            plan = use_few_rows_linear(model, max_rows=max_rows)
+            _log(f"few-rows linear layout of the {type(model).__name__}, measured here: {_plan_text(plan)}")
+
+
+def _plan_text(plan: dict[int, str]) -> str:
+    """{2: "gemm", 3: "packed", 4: "packed"} -> "2 rows gemm, 3-4 rows packed"."""
+    runs: list[list] = []
+    for rows, name in sorted(plan.items()):
+        if runs and runs[-1][2] == name and runs[-1][1] == rows - 1:
+            runs[-1][1] = rows
+        else:
+            runs.append([rows, rows, name])
+    return ", ".join(f"{a}{'' if a == b else f'-{b}'} rows {name}" for a, b, name in runs)
 
 
 def load_target(
@@ -490,12 +507,12 @@ def run_config(
         "selection": drafter.config.selection if drafter is not None else None,
         "device": str(loaded.device),
         "device_name": (
-            torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else platform.processor()
+            torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else cpu_name()
         ),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "attn_implementation": loaded.attn,
         "cache": args.cache,
-        "few_rows_linear": few_rows_max(loaded.target),
+        "few_rows_linear": few_rows_plan(loaded.target),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -504,6 +521,17 @@ def run_config(
         "platform": platform.platform(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def cpu_name() -> str:
+    """The processor's model name: CPU timings (which linear layout wins, a cycle's cost) depend on it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor()
 
 
 __all__ = ["CLIError", "build_parser", "default_drafter_path", "main"]

@@ -16,7 +16,7 @@ from transformers import AutoModel
 import dcoco_hf
 from dcoco_hf.assets import load_default_target
 from dcoco_hf.cli import DEFAULT_DRAFTER_NAME
-from dcoco_hf.cpu_linear import use_few_rows_linear
+from dcoco_hf.cpu_linear import available_layouts, use_few_rows_linear
 
 CARD = Path(__file__).resolve().parents[1] / "model_cards" / DEFAULT_DRAFTER_NAME
 CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "candidate_generator.py")
@@ -37,13 +37,13 @@ def test_shipped_code_matches_the_package(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("few_rows", [False, True], ids=["torch-linear", "few-rows-linear"])
-def test_shipped_drafter_is_lossless_on_the_default_target(few_rows):
+@pytest.mark.parametrize("layout", [None, *(name for name in available_layouts() if name != "gemm")])
+def test_shipped_drafter_is_lossless_on_the_default_target(layout):
     target, tokenizer = load_default_target()
     drafter = AutoModel.from_pretrained(CARD, trust_remote_code=True).attach(target)
-    if few_rows:  # the CLI's CPU default: 4-row verify forwards of the real target take the W @ x^T layout
-        use_few_rows_linear(target)
-        use_few_rows_linear(drafter)
+    if layout is not None:  # the CLI's CPU default takes whichever of these is fastest on the machine
+        use_few_rows_linear(target, layout=layout)
+        use_few_rows_linear(drafter, max_rows=8, layout=layout)
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that reverses a string."}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True,
