@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> dict:
         plain = first_tokens(target, inputs, args.samples, seed=0)
         plain_again = first_tokens(target, inputs, args.samples, seed=1)
         speculative = first_tokens(target, inputs, args.samples, seed=2, drafter=drafter)
+        greedy = target.generate(**inputs, do_sample=False, max_new_tokens=1)[0, -1]
     noise, gap = total_variation(plain, plain_again), total_variation(plain, speculative)
     print(f"{args.samples} samples of the first new token, total variation distance to plain sampling:")
     print(f"  another plain run (noise floor) {noise:.3f}")
     print(f"  with the drafter                {gap:.3f}")
-    return {"noise": noise, "gap": gap}
+    return {"noise": noise, "gap": gap, "plain": plain, "greedy_token": int(greedy)}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""What a verify forward costs: one target forward of n new tokens relative to a 1-token step, side by side with
-torch's plain GEMM and with the few-rows W @ x^T layout (dcoco_hf/cpu_linear.py).
+"""What a verify forward costs: one target forward of n new tokens relative to a 1-token step, side by side for
+every few-rows linear layout of dcoco_hf/cpu_linear.py (torch's GEMM, W @ x^T, MKL's packed GEMM where torch has
+it), and the plan `use_few_rows_linear` measures on this machine.
 
-Both layouts run interleaved on the same cached context, so the ratios are comparable within the run even on a noisy
-machine. Speculation pays only when cost(n) / cost(1) is well under the tokens a cycle commits (tau).
+The layouts run interleaved on the same cached context, so the ratios are comparable within the run even on a noisy
+machine. Every layout computes a 1-token step with torch's own F.linear, so that column is plain decoding's cost.
+Speculation pays only when cost(n) / cost(1) is well under the tokens a cycle commits (tau).
 
     python scripts/verify_cost.py                      # the default SmolLM2-135M target
     python scripts/verify_cost.py --target FOLDER --context 400 --tokens 1,2,4,8,16 --repeats 15
@@ -18,16 +20,16 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.cpu_linear import restore_linear, use_few_rows_linear
+from dcoco_hf.cpu_linear import available_layouts, restore_linear, tune_few_rows_layout, use_few_rows_linear
 
 
 def forward_seconds(target, context: torch.LongTensor, new_tokens: int) -> float:
     """Time one forward of the last `new_tokens` ids of `context` [1, T] on a cache holding the rest."""
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(context[:, :-new_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        target(context[:, :-new_tokens], cache=cache, use_cache=True, logits_to_keep=1)
         start = time.perf_counter()
-        target(context[:, -new_tokens:], past_key_values=cache, use_cache=True)
+        target(context[:, -new_tokens:], cache=cache, use_cache=True)
         return time.perf_counter() - start
 
 
@@ -45,22 +47,23 @@ def main() -> None:
     counts = sorted({int(n) for n in args.tokens.split(",")} | {1})
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.config.vocab_size, (1, args.context + max(counts)), generator=generator)
-    layouts = {"torch GEMM": restore_linear, "W @ x^T": use_few_rows_linear}
-    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in layouts for n in counts}
-    for _ in range(args.repeats + 1):  # the first round warms up and is dropped
-        for name, switch in layouts.items():
-            switch(target)
+    rows = range(2, max(counts) + 1)
+    plans = {name: {r: name for r in rows} for name in available_layouts()}
+    plans["measured plan"] = tune_few_rows_layout(target, rows)
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in plans for n in counts}
+    for _ in range(args.repeats + 1):  # the first round warms up (and packs) and is dropped
+        for name, plan in plans.items():
+            use_few_rows_linear(target, layout=plan)
             for n in counts:
                 times[name, n].append(forward_seconds(target, context, n))
     restore_linear(target)
     print(f"context {args.context}, threads {torch.get_num_threads()}, median of {args.repeats}")
-    print("new tokens | " + " | ".join(f"{name}: ms, x 1-token step" for name in layouts))
+    print(f"measured plan: {plans['measured plan']}")
+    step = statistics.median(times["gemm", 1][1:]) * 1e3
+    print("new tokens | " + " | ".join(f"{name}: ms, x plain step" for name in plans))
     for n in counts:
-        cells = []
-        for name in layouts:
-            ms = statistics.median(times[name, n][1:]) * 1e3
-            step = statistics.median(times[name, 1][1:]) * 1e3
-            cells.append(f"{ms:7.1f} ms {ms / step:5.2f}x")
+        ms = [statistics.median(times[name, n][1:]) * 1e3 for name in plans]
+        cells = [f"{value:7.1f} ms {value / step:5.2f}x" for value in ms]
         print(f"{n:10d} | " + " | ".join(cells))
 
 
