@@ -54,6 +54,18 @@ def available_layouts() -> tuple[str, ...]:
     return LAYOUTS if packed_available() else LAYOUTS[:2]
 
 
+def _packed_fits(layers: list[nn.Linear]) -> bool:
+    """Whether packed copies of these weights fit in free memory. MKL's packs took up to twice a weight's bytes
+    (small matrices more, large ones about 1.1-1.3x); a big model on a small machine must not swap or die for them."""
+    need = sum(2 * layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: no reliable figure, trust the caller
+        return True
+    return need < 0.8 * available
+
+
 class FewRowsLinear(nn.Linear):
     """An `nn.Linear` that computes 2..len(few_rows_plan)-1 input rows on CPU with the layout its plan names.
 
@@ -118,8 +130,9 @@ def use_few_rows_linear(
 ) -> dict[int, str]:
     """Switch every plain `nn.Linear` of `model` (in place) to `FewRowsLinear`; returns the plan {rows: layout}.
 
-    layout: "auto" (time the layouts on this machine with `tune_few_rows_layout`, about a second for a 135M model),
-    one of `LAYOUTS` for every row count 2..max_rows, or an explicit {rows: layout}. Undo with `restore_linear`.
+    layout: "auto" (time the layouts on this machine with `tune_few_rows_layout`, a few seconds for a 135M model;
+    the packed GEMM only where its copies of the weights fit in free memory), one of `LAYOUTS` for every row count
+    2..max_rows, or an explicit {rows: layout}. Undo with `restore_linear`.
     """
     if max_rows < 2:
         raise ValueError(f"max_rows={max_rows} disables the few-rows path; use restore_linear(model) instead.")
@@ -135,6 +148,11 @@ def use_few_rows_linear(
             "MKL build of torch), for row counts of 2 or more."
         )
     layers = _linears(model)
+    if "packed" in plan.values() and not _packed_fits(layers):
+        raise MemoryError(
+            "Packed copies of this model's linear weights (up to twice their size) do not fit in free memory; use "
+            "use_few_rows_linear(model, layout='transposed') or layout='auto', which then skips the packed GEMM."
+        )
     _set_plan(layers, plan)
     if "packed" not in plan.values():
         for layer in layers:
@@ -164,12 +182,13 @@ def tune_few_rows_layout(model: nn.Module, rows: Iterable[int], repeats: int = 2
     rows = list(rows)
     if not layers:
         return {r: "gemm" for r in rows}
+    layouts = [name for name in available_layouts() if name != "packed" or _packed_fits(layers)]
     before = [(layer, layer.__class__, layer.__dict__.get("few_rows_plan")) for layer in layers]
     dtype = layers[0].weight.dtype
     inputs = {r: {n: torch.randn(r, n, dtype=dtype) for n in {m.in_features for m in layers}} for r in rows}
     best: dict[tuple[int, str], float] = {}
     for attempt in range(repeats + 1):
-        for name in available_layouts():
+        for name in layouts:
             _set_plan(layers, {r: name for r in rows})
             for r in rows:
                 start = time.perf_counter()
@@ -183,7 +202,7 @@ def tune_few_rows_layout(model: nn.Module, rows: Iterable[int], repeats: int = 2
         layer.__dict__.pop("few_rows_plan", None)
         if plan is not None:
             layer.few_rows_plan = plan
-    return {r: min(available_layouts(), key=lambda name: best[r, name]) for r in rows}
+    return {r: min(layouts, key=lambda name: best[r, name]) for r in rows}
 
 
 def restore_linear(model: nn.Module) -> int:

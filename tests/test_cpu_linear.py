@@ -151,3 +151,12 @@ def test_lora_wrapped_target(layout):
     wrappers = [m for m in lora.modules() if type(m).__name__ == "Linear" and hasattr(m, "base_layer")]
     assert wrappers and all(type(m.base_layer) is FewRowsLinear for m in wrappers)
     torch.testing.assert_close(lora(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_copies_that_do_not_fit_in_memory_are_never_made(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_packed_fits", lambda layers: False)
+    target = make_target("llama")
+    assert "packed" not in tune_few_rows_layout(target, range(2, 4), repeats=1).values()
+    if "packed" in available_layouts():
+        with pytest.raises(MemoryError, match="layout='transposed'"):
+            use_few_rows_linear(target, layout="packed")
