@@ -2,13 +2,14 @@
 
     python scripts/slot_accuracy.py --drafter model_cards/dcoco-smollm2-135m --data data/smollm2 --limit 5
 
-The same packed forward as training (`drafter_loss`, every response position an anchor, top-1 over the whole
-vocabulary) runs on (a) the first records of each training folder and (b) the target's own greedy answers to the
-first `--limit` HumanEval and MT-Bench prompts. A large gap between the two is a generalisation gap (more varied
-data helps). The last two columns measure the corrector: over adjacent slot pairs whose true tokens are both in the
-top-K, given the true predecessor, how often the true successor is the drafter's top-1 and how often it is the
-corrector's best successor (the prefix-first walk's pick). Coverage measured during generation (`dcoco-hf bench`)
-runs lower than (b) by design: cycles start right after a rejection, at the harder positions. Train/inference
+The same packed forward as training (`drafter_loss`, every response position an anchor, top-1 over the tokens
+the drafter may propose: its draft vocabulary if it has one, labels outside it left out) runs on (a) the first
+records of each training folder and (b) the target's own greedy answers to the first `--limit` HumanEval and
+MT-Bench prompts. A large gap between the two is a generalisation gap (more varied data helps). The last two columns
+measure the corrector: over adjacent slot pairs whose true tokens are both in the top-K, given the true predecessor,
+how often the true successor is the drafter's top-1 and how often it is the corrector's best successor (the
+prefix-first walk's pick). Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design:
+cycles start right after a rejection, at the harder positions. Train/inference
 mismatches are caught by tests/test_train_inference_parity.py instead.
 """
 
