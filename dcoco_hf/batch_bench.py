@@ -215,12 +215,12 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         raise cli.CLIError(f"--methods {args.methods}: choose from {','.join(BATCH_METHODS)}")
     items = cli.collect_prompts(args)
     if args.random_drafter:
-        loaded = cli.load_models(args, need_drafter=False)
+        loaded = cli.load_models(args, need_drafter=False, cpu_layout=False)  # laid out below, with the drafter
         drafter = DCOCODrafter.from_target(loaded.target).eval()
-        cli.use_cpu_layout(args, loaded.device, drafter)
+        cli.use_cpu_layout(args, loaded.device, loaded.target, drafter, batch=max(batch_sizes))
         drafter_name = "random (DCOCODrafter.from_target)"
     else:
-        loaded = cli.load_models(args, need_drafter=True)
+        loaded = cli.load_models(args, need_drafter=True, batch=max(batch_sizes))
         drafter, drafter_name = loaded.drafter, loaded.drafter_name
     from .bench import encode_prompt
 

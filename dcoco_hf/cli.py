@@ -267,7 +267,9 @@ def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype
     return "sdpa"
 
 
-def load_models(args: argparse.Namespace, need_drafter: bool) -> Loaded:
+def load_models(args: argparse.Namespace, need_drafter: bool, batch: int = 1, cpu_layout: bool = True) -> Loaded:
+    """Target (and drafter), on the device, in the dtype and attention of `args`; with `cpu_layout`, on CPU with the
+    few-rows linear layout for forwards of up to `batch` sequences (see `use_cpu_layout`)."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -278,18 +280,21 @@ def load_models(args: argparse.Namespace, need_drafter: bool) -> Loaded:
         drafter_spec = args.drafter or str(default_drafter_path())
     target, tokenizer, target_name = load_target(args.target, device, dtype, attn)
     drafter = load_drafter(drafter_spec, target, device, dtype, attn) if need_drafter else None
-    use_cpu_layout(args, device, target, drafter)
+    if cpu_layout:
+        use_cpu_layout(args, device, target, drafter, batch=batch)
     return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
 
 
-def use_cpu_layout(args: argparse.Namespace, device: torch.device, *models: torch.nn.Module | None) -> None:
+def use_cpu_layout(
+    args: argparse.Namespace, device: torch.device, *models: torch.nn.Module | None, batch: int = 1
+) -> None:
     """On CPU, unless --plain-linear: the few-rows linear layout measured fastest on this machine for each model, so
-    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the drafter's block: a verify forward
-    has one block, the drafter's key/value projections the block plus the newly committed context rows."""
+    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the drafter's block per sequence: a
+    verify forward has one block, the drafter's key/value projections the block plus the newly committed rows."""
     if device.type != "cpu" or args.plain_linear:
         return
     drafter = next((m for m in models if isinstance(m, DCOCODrafter)), None)
-    max_rows = max(DEFAULT_MAX_ROWS, 2 * drafter.config.block_size if drafter is not None else 0)
+    max_rows = max(DEFAULT_MAX_ROWS, 2 * drafter.config.block_size * batch if drafter is not None else batch)
     for model in models:
         if model is not None:
             plan = use_few_rows_linear(model, max_rows=max_rows)

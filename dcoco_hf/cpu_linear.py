@@ -137,7 +137,9 @@ def use_few_rows_linear(
     if max_rows < 2:
         raise ValueError(f"max_rows={max_rows} disables the few-rows path; use restore_linear(model) instead.")
     if isinstance(layout, str) and layout == "auto":
-        plan = tune_few_rows_layout(model, range(2, max_rows + 1))
+        tuned = tune_few_rows_layout(model, _rows_to_time(max_rows))
+        # Between timed counts, a row count takes the layout of the nearest timed count below it.
+        plan = {rows: tuned[max(t for t in tuned if t <= rows)] for rows in range(2, max_rows + 1)}
     elif isinstance(layout, str):
         plan = {rows: layout for rows in range(2, max_rows + 1)}
     else:
@@ -158,6 +160,16 @@ def use_few_rows_linear(
         for layer in layers:
             layer.__dict__.pop("_packed", None)  # MKL's packed copy of the weight: as large as the weight or more
     return plan
+
+
+def _rows_to_time(max_rows: int) -> list[int]:
+    """Every count up to 8 (single-sequence blocks), then about two per octave (batched verifies): 2..64 in 13."""
+    counts = set(range(2, min(max_rows, 8) + 1)) | {max_rows}
+    edge = 8
+    while edge < max_rows:
+        counts |= {edge + edge // 2, 2 * edge}
+        edge *= 2
+    return sorted(c for c in counts if c <= max_rows)
 
 
 def _set_plan(layers: list[nn.Linear], plan: Mapping[int, str]) -> None:

@@ -160,3 +160,17 @@ def test_packed_copies_that_do_not_fit_in_memory_are_never_made(monkeypatch):
     if "packed" in available_layouts():
         with pytest.raises(MemoryError, match="layout='transposed'"):
             use_few_rows_linear(target, layout="packed")
+
+
+def test_auto_times_a_few_row_counts_and_fills_the_gaps_from_below(monkeypatch):
+    timed = []
+
+    def fake_tune(model, rows, repeats=2):
+        timed.extend(rows)
+        return {r: ("transposed" if r >= 12 else "gemm") for r in rows}
+
+    monkeypatch.setattr(cpu_linear, "tune_few_rows_layout", fake_tune)
+    plan = use_few_rows_linear(nn.Linear(4, 4), max_rows=20)
+    assert timed == [2, 3, 4, 5, 6, 7, 8, 12, 16, 20]  # every count up to 8, then about two per octave
+    assert set(plan) == set(range(2, 21))
+    assert [r for r, name in plan.items() if name == "transposed"] == list(range(12, 21))
