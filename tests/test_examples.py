@@ -7,8 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import _FITTED, fit_drafter, make_target
-from test_cli import tiny_tokenizer
+from test_cli import tiny  # noqa: F401 (the saved tiny target and drafter folders, a module fixture)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -21,17 +20,9 @@ def load_example(name: str):
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> list[str]:
-    """--target / --drafter arguments for a saved tiny llama target (with tokenizer) and a drafter fitted to it."""
-    root = tmp_path_factory.mktemp("examples")
-    if "llama" not in _FITTED:
-        target = make_target("llama")
-        _FITTED["llama"] = (target, fit_drafter(target))
-    target, drafter = _FITTED["llama"]
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    drafter.save_pretrained(root / "drafter")
-    return ["--target", str(root / "target"), "--drafter", str(root / "drafter")]
+def folders(tiny) -> list[str]:
+    """--target / --drafter arguments: a saved tiny llama target (with tokenizer) and a drafter fitted to it."""
+    return [str(arg) for arg in tiny.model_args]
 
 
 def test_every_example_is_tested():
