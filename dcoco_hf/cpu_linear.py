@@ -33,7 +33,7 @@ from torch.nn import functional as F
 LAYOUTS = ("gemm", "transposed", "packed")
 DEFAULT_MAX_ROWS = 6
 # MKL packs a weight for one row differently than for several; every pack built for 2 rows computed 2..64 rows
-# identically to the pack built for that row count. `_pack` checks this for each layer before trusting it.
+# identically to the pack built for that row count. `_check_pack` checks this for each layer and row count.
 _PACK_ROWS = 2
 
 
@@ -55,8 +55,11 @@ def available_layouts() -> tuple[str, ...]:
 
 
 def _packed_fits(layers: list[nn.Linear]) -> bool:
-    """Whether packed copies of these weights fit in free memory. MKL's packs took up to twice a weight's bytes
-    (small matrices more, large ones about 1.1-1.3x); a big model on a small machine must not swap or die for them."""
+    """Whether MKL's packed GEMM can serve these layers: fp32 weights (it is sgemm), whose packed copies fit in free
+    memory. Packs took up to twice a weight's bytes (small matrices more, large ones about 1.1-1.3x); a big model on
+    a small machine must not swap or die for them."""
+    if any(layer.weight.dtype != torch.float32 for layer in layers):
+        return False
     need = sum(2 * layer.weight.numel() * layer.weight.element_size() for layer in layers)
     try:
         with open("/proc/meminfo") as meminfo:
@@ -151,9 +154,10 @@ def use_few_rows_linear(
         )
     layers = _linears(model)
     if "packed" in plan.values() and not _packed_fits(layers):
-        raise MemoryError(
-            "Packed copies of this model's linear weights (up to twice their size) do not fit in free memory; use "
-            "use_few_rows_linear(model, layout='transposed') or layout='auto', which then skips the packed GEMM."
+        raise ValueError(
+            "MKL's packed GEMM needs fp32 weights whose packed copies (up to twice their size) fit in free memory, "
+            "and this model's do not; use use_few_rows_linear(model, layout='transposed') or layout='auto', which "
+            "then skips the packed GEMM."
         )
     _set_plan(layers, plan)
     if "packed" not in plan.values():

@@ -158,7 +158,16 @@ def test_packed_copies_that_do_not_fit_in_memory_are_never_made(monkeypatch):
     target = make_target("llama")
     assert "packed" not in tune_few_rows_layout(target, range(2, 4), repeats=1).values()
     if "packed" in available_layouts():
-        with pytest.raises(MemoryError, match="layout='transposed'"):
+        with pytest.raises(ValueError, match="layout='transposed'"):
+            use_few_rows_linear(target, layout="packed")
+
+
+def test_bf16_weights_never_take_the_packed_gemm():
+    """MKL's packed GEMM is sgemm: half-precision models are timed and served with the other layouts only."""
+    target = make_target("llama").to(torch.bfloat16)
+    assert "packed" not in tune_few_rows_layout(target, range(2, 4), repeats=1).values()
+    if "packed" in available_layouts():
+        with pytest.raises(ValueError, match="fp32"):
             use_few_rows_linear(target, layout="packed")
 
 
