@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fit_drafter, make_target
+from conftest import VOCAB, fit_drafter, make_target
 from transformers import TrainingArguments
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.training import pack_blocks, sample_anchors, transition_labels
+from dcoco_hf.training import pack_blocks, sample_anchors, target_context, transition_labels
 from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.objective import successor_accuracy
 from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
@@ -130,6 +130,23 @@ def test_trainer_stages_resume_and_export(tmp_path):
     reloaded = DCOCODrafter.from_pretrained(tmp_path / "final").attach(target)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+def test_cached_features_of_a_padded_batch_equal_each_record_alone(tmp_path):
+    """Records of different lengths share right-padded forwards; every record's states and labels are its own."""
+    target = make_target("llama")
+    layers = [1, 2]
+    generator = torch.Generator().manual_seed(0)
+    records = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=generator).to(torch.int32),
+                "loss_mask": torch.ones(n, dtype=torch.bool)} for n in (9, 4, 13, 7, 9)]
+    torch.save(records, tmp_path / "shard-00000.pt")
+    cached = load_shards(cache_target_features(target, layers, tmp_path, tmp_path / "features", batch_tokens=30))
+    assert [len(r["input_ids"]) for r in cached] == [9, 4, 13, 7, 9]  # stored in the shard's own order
+    for record in cached:
+        states, argmax = target_context(target, layers, record["input_ids"].long()[None])
+        assert record["context_states"].shape == states[0].shape
+        torch.testing.assert_close(record["context_states"].float(), states[0].to(torch.bfloat16).float())
+        assert torch.equal(record["target_argmax"].long(), argmax[0])
 
 
 @pytest.mark.slow
