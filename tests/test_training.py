@@ -149,6 +149,25 @@ def test_cached_features_of_a_padded_batch_equal_each_record_alone(tmp_path):
         assert torch.equal(record["target_argmax"].long(), argmax[0])
 
 
+def test_cached_features_of_changed_data_are_refused(tmp_path):
+    target = make_target("llama")
+    generator = torch.Generator().manual_seed(0)
+
+    def shard(n: int) -> None:
+        ids = torch.randint(0, VOCAB, (n,), generator=generator).to(torch.int32)
+        torch.save([{"input_ids": ids, "loss_mask": torch.ones(n, dtype=torch.bool)}], tmp_path / "shard-00000.pt")
+
+    shard(6)
+    cache_target_features(target, [1], tmp_path, tmp_path / "features")
+    cache_target_features(target, [1], tmp_path, tmp_path / "features")  # unchanged data: reused as it is
+    (tmp_path / "features" / "shard-00000.source-sha256").unlink()  # a cache from before fingerprints: checked once
+    cache_target_features(target, [1], tmp_path, tmp_path / "features")
+    assert (tmp_path / "features" / "shard-00000.source-sha256").exists()
+    shard(7)  # the data folder regenerated under the same name
+    with pytest.raises(ValueError, match="other records"):
+        cache_target_features(target, [1], tmp_path, tmp_path / "features")
+
+
 @pytest.mark.slow
 def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_humaneval(tmp_path):
     from transformers import AutoTokenizer

@@ -21,6 +21,7 @@ where it stopped and training streams shards.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -299,6 +300,7 @@ def cache_target_features(
     for path in tqdm(sorted(Path(data_dir).glob("shard-*.pt")), desc="target features", unit="shard"):
         destination = out_dir / path.name
         if destination.exists():
+            _check_cached_source(path, destination)
             continue
         records = torch.load(path)
         for batch in _length_batches(records, batch_tokens):
@@ -314,5 +316,32 @@ def cache_target_features(
                 record["target_argmax"] = argmax[row, : lengths[row]].to(torch.int32)
         tmp = destination.with_suffix(".tmp")
         torch.save(records, tmp)
+        _fingerprint_file(destination).write_text(_fingerprint(path))
         tmp.rename(destination)
     return out_dir
+
+
+def _fingerprint(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _fingerprint_file(cached: Path) -> Path:
+    return cached.with_suffix(".source-sha256")
+
+
+def _check_cached_source(source: Path, cached: Path) -> None:
+    """A cached feature shard is reused only for the very data shard it was computed from: a folder regenerated
+    under the same name (other prompts, other answers) must not silently train on the old records' features."""
+    stamp = _fingerprint_file(cached)
+    if stamp.exists():
+        same = stamp.read_text() == _fingerprint(source)
+    else:  # cached before shards were fingerprinted: compare the token ids once, then stamp it
+        old, new = torch.load(cached), torch.load(source)
+        same = len(old) == len(new) and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(old, new))
+        if same:
+            stamp.write_text(_fingerprint(source))
+    if not same:
+        raise ValueError(
+            f"{cached} holds target features of other records than {source} (the data folder changed after they "
+            f"were cached). Delete {cached.parent} (or pass another --features folder) to cache them again."
+        )
