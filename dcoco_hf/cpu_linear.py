@@ -8,9 +8,9 @@ torch's CPU GEMM (MKL sgemm) is slow for 2 to 16 rows, and which alternative win
 * ``gemm``: plain ``F.linear``;
 * ``transposed``: ``W @ x^T``, the same dot products with the weight as the streamed, unpacked operand. On an AMD
   2-core machine it brought a 4-token forward of SmolLM2-135M from 1.65x to 1.20x the cost of a 1-token step; on an
-  Intel (Sapphire Rapids class) 2-core machine it made that forward slower (1.55x -> 1.95x);
+  Intel (Sapphire Rapids class) 2-core machine it made that forward slower (1.46x -> 1.75x);
 * ``packed``: MKL's packed GEMM (``cblas_sgemm_pack`` through ``torch.ops.mkl``), which reorders the weight once
-  into the layout its small-row kernels stream best. On that Intel machine the 4-token forward fell to about 1.4x.
+  into the layout its small-row kernels stream best. On that Intel machine the 4-token forward fell to 1.2-1.45x.
 
 `use_few_rows_linear(model)` therefore measures the three on the model's own layers (`tune_few_rows_layout`: every
 layer once per timing, so the weights stream from memory as in a real forward) and keeps the fastest per row count.
@@ -135,7 +135,8 @@ def use_few_rows_linear(
 
     layout: "auto" (time the layouts on this machine with `tune_few_rows_layout`, a few seconds for a 135M model;
     the packed GEMM only where its copies of the weights fit in free memory), one of `LAYOUTS` for every row count
-    2..max_rows, or an explicit {rows: layout}. Undo with `restore_linear`.
+    2..max_rows, or an explicit {rows: layout}. Packed copies are made (and checked) here, once. Undo with
+    `restore_linear`.
     """
     if max_rows < 2:
         raise ValueError(f"max_rows={max_rows} disables the few-rows path; use restore_linear(model) instead.")
@@ -160,9 +161,15 @@ def use_few_rows_linear(
             "then skips the packed GEMM."
         )
     _set_plan(layers, plan)
-    if "packed" not in plan.values():
-        for layer in layers:
+    packed_rows = [rows for rows, name in plan.items() if name == "packed"]
+    for layer in layers:
+        if not packed_rows:
             layer.__dict__.pop("_packed", None)  # MKL's packed copy of the weight: as large as the weight or more
+        elif layer.weight.device.type == "cpu":
+            # Pack and check now, so that neither the first verify forward nor a timing pays for it.
+            with torch.no_grad():
+                for rows in packed_rows:
+                    layer._packed_weight(rows)
     return plan
 
 

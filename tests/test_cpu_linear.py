@@ -72,6 +72,19 @@ def test_packed_weight_follows_weight_updates_and_gradients():
     torch.testing.assert_close(layer.weight.grad, torch.ones(3, 12).T @ x.detach())
 
 
+@pytest.mark.skipif("packed" not in available_layouts(), reason="this torch build has no MKL packed GEMM")
+def test_packed_copies_are_made_and_checked_when_the_plan_is_set(monkeypatch):
+    """A forward must not pay for packing: the first verify of a generation and every timing would include it."""
+    layer = nn.Linear(16, 12)
+    use_few_rows_linear(layer, layout={2: "gemm", 3: "packed", 4: "packed"})
+    packed, checked = layer.__dict__["_packed"][1:]
+    assert checked == {3, 4}
+    monkeypatch.setattr(cpu_linear.torch.ops.mkl, "_mkl_reorder_linear_weight", None)  # packing again would fail
+    with torch.no_grad():
+        assert layer(torch.randn(4, 16)).shape == (4, 12)
+    assert layer.__dict__["_packed"][1] is packed
+
+
 def test_an_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="layouts must be among"):
         use_few_rows_linear(nn.Linear(4, 4), layout="blocked")
