@@ -47,6 +47,21 @@ DCOCO_SELECTIONS: dict[str, str | None] = {"dcoco": None, "dcoco-viterbi": "vite
 PROMPT_LOOKUP_TOKENS = 10
 
 
+def split_method(name: str) -> tuple[str, int | None]:
+    """"dcoco@3" -> ("dcoco", 3): a drafter method run with blocks of 3 (anchor + 2 drafted tokens); "dcoco" ->
+    ("dcoco", None), the drafter's own block size. Several block sizes of one method then run interleaved on the same
+    prompts, which is how DScout's tau / cycle-time criterion can be compared on a noisy machine."""
+    base, at, block = name.partition("@")
+    if not at:
+        return name, None
+    if base not in DRAFTER_METHODS or not block.isdigit() or int(block) < 2:
+        raise ValueError(
+            f"method {name!r}: a block size suffix needs a drafter method ({', '.join(sorted(DRAFTER_METHODS))}) "
+            "and a block of at least 2 (the anchor plus one drafted token), e.g. dcoco@3"
+        )
+    return base, int(block)
+
+
 def _log(message: str) -> None:
     """Progress goes to stderr so that stdout holds only the result table."""
     print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
@@ -222,6 +237,34 @@ def _selection(drafter: DCOCODrafter, selection: str | None) -> Iterator[None]:
         drafter.config.selection = saved
 
 
+def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
+    """Draft blocks of `block_size` (anchor + block_size - 1 slots), at most the size the drafter was configured
+    with: a shorter block only drops trailing mask slots, a longer one would ask for slots it never learned."""
+    if not 2 <= block_size <= drafter.config.block_size:
+        raise ValueError(
+            f"block size {block_size}: must lie in [2, {drafter.config.block_size}], the drafter's config.block_size. "
+            "A drafter predicts no slot beyond the blocks it was trained with; to draft longer blocks, raise "
+            "block_size in its config.json up to that size (its model card says which)"
+        )
+    drafter.config.block_size = block_size
+    # transformers reads the draft length from the assistant's generation config.
+    drafter.generation_config.num_assistant_tokens = block_size - 1
+
+
+@contextmanager
+def _block_size(drafter: DCOCODrafter | None, block_size: int | None) -> Iterator[None]:
+    """Draft blocks of `block_size` for the duration of one call (None: the drafter's own)."""
+    if block_size is None or drafter is None:
+        yield
+        return
+    saved = drafter.config.block_size, drafter.generation_config.num_assistant_tokens
+    set_block_size(drafter, block_size)
+    try:
+        yield
+    finally:
+        drafter.config.block_size, drafter.generation_config.num_assistant_tokens = saved
+
+
 class MethodRunner:
     """Runs one method on one prompt and measures it. Call `close()` when done (it removes the target hook)."""
 
@@ -242,6 +285,7 @@ class MethodRunner:
 
     def generate_kwargs(self, method: str, prompt_len: int, max_new_tokens: int | None = None) -> dict[str, Any]:
         settings = self.settings
+        method, _ = split_method(method)
         max_new_tokens = settings.max_new_tokens if max_new_tokens is None else max_new_tokens
         kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": not settings.greedy}
         if not settings.greedy:
@@ -283,18 +327,23 @@ class MethodRunner:
         """Time `method` on `input_ids` [1, T]. `streamer` (e.g. a TextStreamer) receives the tokens as they come;
         `max_new_tokens` overrides the settings' value (short warm-up runs)."""
         prompt_len = input_ids.shape[1]
-        kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
-        if streamer is not None:
-            kwargs["streamer"] = streamer
+        base, block_size = split_method(method)
         attention_mask = torch.ones_like(input_ids)
         torch.manual_seed(self.settings.seed + index)  # same sampling seed for every method on this prompt
-        with self.trace.record() as trace, _selection(self.drafter, DCOCO_SELECTIONS.get(method)):
+        with (
+            _block_size(self.drafter, block_size),
+            self.trace.record() as trace,
+            _selection(self.drafter, DCOCO_SELECTIONS.get(base)),
+        ):
+            kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
+            if streamer is not None:
+                kwargs["streamer"] = streamer
             self._sync()
             start = time.perf_counter()
             output = self.target.generate(input_ids, attention_mask=attention_mask, **kwargs)
             self._sync()
             seconds = time.perf_counter() - start
-        dcoco = self._dcoco_stats(output) if method in DCOCO_SELECTIONS else None
+            dcoco = self._dcoco_stats(output) if base in DCOCO_SELECTIONS else None
         return RunRecord(
             suite=suite,
             prompt_index=index,
@@ -487,8 +536,22 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
+def greedy_mismatch_reason(dtype: str) -> str:
+    """Why a greedy speculative output may differ from plain `generate()` in `dtype`: a bug unless it is half precision.
+
+    A verify forward of n tokens runs other GEMM and attention kernels than n 1-token steps. In float32 that moves
+    logits by ~1e-5, far below any argmax gap seen; in bfloat16 / float16 by ~0.4 (SmolLM2-135M, measured), enough
+    to flip a near-tie. This holds for any speculative decoder (transformers' own assisted generation included).
+    """
+    if dtype in ("bfloat16", "float16"):
+        return (f"in {dtype} a multi-token verify forward rounds differently from plain decoding's 1-token steps, so "
+                "greedy paths can part at a near-tie (transformers' own assisted generation too); use --dtype float32 "
+                "for token-exact output")
+    return f"please report this: in {dtype} greedy speculation must be token-exact"
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """Tables per suite, then overall."""
+    """Tables per suite, then overall, then why outputs differ where greedy ones do."""
     config = report["config"]
     mode = "greedy" if config.get("temperature", 0.0) == 0.0 else f"sampling T={config['temperature']}"
     detail = f"{mode}, max {config.get('max_new_tokens')} new tokens"
@@ -497,6 +560,9 @@ def format_report(report: dict[str, Any]) -> str:
         detail += f", block {config['block_size']}, {f'draft vocab {vocab}' if vocab else 'full vocab'}"
     parts = [format_table(summary, f"== suite {suite} ({detail}) ==") for suite, summary in report["suites"].items()]
     parts.append(format_table(report["methods"], f"== overall ({detail}) =="))
+    equal = [s["equal_to_vanilla"] for s in report["methods"].values()]
+    if mode == "greedy" and any(e is not None and e < 1 for e in equal):
+        parts.append(f"outputs differ from plain generate(): {greedy_mismatch_reason(config.get('dtype', '?'))}")
     return "\n\n".join(parts)
 
 
@@ -513,7 +579,10 @@ __all__ = [
     "encode_prompt",
     "format_report",
     "format_table",
+    "greedy_mismatch_reason",
     "rotated",
     "run_bench",
+    "set_block_size",
+    "split_method",
     "summarise",
 ]

@@ -40,7 +40,10 @@ from .bench import (
     build_report,
     encode_prompt,
     format_report,
+    greedy_mismatch_reason,
     run_bench,
+    set_block_size,
+    split_method,
 )
 from .cpu_linear import DEFAULT_MAX_ROWS, few_rows_plan, use_few_rows_linear
 from .modeling_dcoco import DCOCODrafter
@@ -95,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and reports tokens/s, speedup over vanilla, tau, acceptance and (greedy) exactness.",
     )
     bench.add_argument("--methods", default=",".join(METHODS),
-                       help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+                       help=f"comma-separated subset of {','.join(METHODS)} (default: all); a drafter method "
+                       "with @B drafts blocks of B, so dcoco@3,dcoco@4,dcoco@5 compares block sizes interleaved on "
+                       "the same prompts (DScout's tau / cycle time)")
     bench.add_argument("--suite", default=None,
                        help=f"comma-separated prompt suites from {','.join(SUITES)} (default: "
                        f"{DEFAULT_SUITES} unless --prompts is given)")
@@ -109,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "config.block_size. A shorter block only drops trailing mask slots, which carry no "
                        "token information, so the kept slots predict much as before; a longer one may ask for "
                        "slots the drafter never learned, so it is refused. "
-                       "Useful where verifying a long block is expensive (CPU).")
+                       "Useful where verifying a long block is expensive (CPU); to compare several, name them in "
+                       "--methods (dcoco@3,dcoco@4).")
     bench.add_argument("--full-vocab", action="store_true",
                        help="propose from the whole vocabulary even if the drafter has a draft vocabulary (to measure "
                        "what the draft vocabulary saves; outputs are identical either way)")
@@ -167,10 +173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def parse_methods(text: str) -> list[str]:
+    """Method names, each from METHODS, a drafter method optionally with a block size ("dcoco@3")."""
     methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    unknown = [m for m in methods if m not in METHODS]
+    try:
+        unknown = [m for m in methods if split_method(m)[0] not in METHODS]
+    except ValueError as err:
+        raise CLIError(f"--methods: {err}") from None
     if unknown or not methods:
-        raise CLIError(f"unknown method(s) {unknown or [text]} in --methods; choose from {','.join(METHODS)}")
+        raise CLIError(f"unknown method(s) {unknown or [text]} in --methods; choose from {','.join(METHODS)} (a "
+                       "drafter method may name a block size, e.g. dcoco@3)")
     return methods
 
 
@@ -365,11 +376,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _log("running plain generate() on the same prompt for comparison")
         plain = runner.run("vanilla", "prompt", 0, input_ids)
     print()
-    print(generate_summary(dcoco, plain, dcoco.output == plain.output, settings.greedy))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    print(generate_summary(dcoco, plain, dcoco.output == plain.output, settings.greedy, dtype))
     return 0
 
 
-def generate_summary(dcoco: RunRecord, plain: RunRecord, identical: bool, greedy: bool) -> str:
+def generate_summary(dcoco: RunRecord, plain: RunRecord, identical: bool, greedy: bool, dtype: str) -> str:
     """The lines printed after the streamed answer."""
 
     def speed(record: RunRecord) -> str:
@@ -380,7 +392,7 @@ def generate_summary(dcoco: RunRecord, plain: RunRecord, identical: bool, greedy
     accepted = dcoco.acceptance.accepted
     mean = sum(accepted) / len(accepted) if accepted else 0.0
     if greedy:
-        same = "yes" if identical else "NO (please report this: greedy speculation must be exact)"
+        same = "yes" if identical else f"NO ({greedy_mismatch_reason(dtype)})"
     else:
         same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
     return "\n".join([
@@ -425,21 +437,24 @@ def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
     ]
 
 
-def apply_block_size(drafter: DCOCODrafter, block_size: int | None) -> int:
-    """Shorten the drafter's block for this process (never beyond its config's); returns the block size."""
-    configured = drafter.config.block_size
-    if block_size is None:
-        return configured
-    if not 2 <= block_size <= configured:
+def apply_block_size(drafter: DCOCODrafter, block_size: int | None, methods: Sequence[str] = ()) -> int:
+    """Check the block sizes that `methods` name ("dcoco@3") against the drafter's config, and shorten its block for
+    this process to `block_size` (never beyond its config's); returns the block size of unsuffixed methods."""
+    named = [split_method(m)[1] for m in methods if split_method(m)[1] is not None]
+    if named and block_size is not None:
         raise CLIError(
-            f"--block-size {block_size}: must lie in [2, {configured}], the drafter's config.block_size. A drafter "
-            "predicts no slot beyond the blocks it was trained with; to draft longer blocks, raise block_size in its "
-            "config.json up to that size (its model card says which)"
+            f"--block-size {block_size} with block sizes in --methods: use one or the other (--block-size sets one "
+            "block for every drafter method; dcoco@3,dcoco@4 compares blocks on the same prompts)"
         )
-    drafter.config.block_size = block_size
-    # transformers reads the draft length from the assistant's generation config.
-    drafter.generation_config.num_assistant_tokens = block_size - 1
-    return block_size
+    try:
+        for size in named:
+            if size > drafter.config.block_size:
+                set_block_size(drafter, size)  # raises, naming the limit and the fix
+        if block_size is not None:
+            set_block_size(drafter, block_size)
+    except ValueError as err:
+        raise CLIError(f"--block-size / --methods: {err}") from None
+    return drafter.config.block_size
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -453,9 +468,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise CLIError(str(err), exit_code=1) from None
     prompts = collect_prompts(args)
-    loaded = load_models(args, need_drafter=bool(DRAFTER_METHODS & set(methods)))
+    loaded = load_models(args, need_drafter=bool(DRAFTER_METHODS & {split_method(m)[0] for m in methods}))
     config_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
-    block_size = apply_block_size(loaded.drafter, args.block_size) if loaded.drafter is not None else None
+    block_size = apply_block_size(loaded.drafter, args.block_size, methods) if loaded.drafter is not None else None
     if args.full_vocab and loaded.drafter is not None:
         loaded.drafter.set_draft_vocabulary(None)
     settings = BenchSettings(

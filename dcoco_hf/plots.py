@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .bench import METHODS
+from .bench import METHODS, split_method
 
 PLOT_FILES = ("speedup_tau.png", "accept_hist.png", "per_slot_accept.png", "coverage.png")
 
@@ -133,8 +133,12 @@ def _coverage(plt, report: dict[str, Any]):
 
 
 def _color(method: str) -> str:
-    """One colour per method in every plot, whatever subset of methods ran."""
-    return f"C{METHODS.index(method) % 10}" if method in METHODS else "black"
+    """One colour per method in every plot, whatever subset of methods ran; a block-size variant ("dcoco@3") gets
+    its own, the same in every plot."""
+    if method in METHODS:
+        return f"C{METHODS.index(method) % 10}"
+    base, block = split_method(method)
+    return f"C{(METHODS.index(base) + 3 * (block or 0)) % 10}"
 
 
 def _finish(axis, shown: dict, empty_message: str) -> None:

@@ -7,6 +7,7 @@ The CLI runs in-process through `cli.main(argv)` (a subprocess would re-import t
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from dcoco_hf import DCOCODrafter, cli
-from dcoco_hf.bench import METHODS, BenchSettings, MethodRunner, rotated
+from dcoco_hf.bench import METHODS, BenchSettings, MethodRunner, format_report, rotated
 from dcoco_hf.cpu_linear import LAYOUTS
 from dcoco_hf.plots import PLOT_FILES
 
@@ -133,6 +134,17 @@ def test_bench_table_on_stdout(bench_run):
         assert name in bench_run.out
 
 
+def test_bench_explains_greedy_mismatch_only_where_one_happened(bench_run):
+    report = bench_run.report
+    assert "outputs differ" not in format_report(report)  # every greedy output equal, nothing to explain
+    report = copy.deepcopy(report)
+    report["methods"]["dcoco"]["equal_to_vanilla"] = 0.2
+    assert "please report this: in float32" in format_report(report)
+    report["config"]["dtype"] = "bfloat16"
+    note = format_report(report).rsplit("\n", 1)[-1]
+    assert note.startswith("outputs differ from plain generate(): in bfloat16") and "--dtype float32" in note
+
+
 def test_bench_plots(bench_run):
     for name in PLOT_FILES:
         path = bench_run.plots / name
@@ -174,6 +186,38 @@ def test_bench_block_size_and_static_cache(tiny):
         assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
     for name in ("dflash", "dcoco"):
         assert len(report["methods"][name]["per_slot_accept"]) <= 3
+
+
+def test_bench_compares_block_sizes_interleaved(tiny):
+    result = run_cli(
+        "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 2, "--max-new-tokens", 12, "--warmup", 0,
+        "--methods", "vanilla,dcoco@2,dcoco@5,dflash@3,dcoco", "--json", tiny.root / "blocks.json",
+        "--plots", tiny.root / "block-plots",
+    )
+    assert result.code == 0, result.err
+    report = json.loads((tiny.root / "blocks.json").read_text())
+    methods = report["methods"]
+    assert list(methods) == ["vanilla", "dcoco@2", "dcoco@5", "dflash@3", "dcoco"]
+    drafted = {name: len(methods[name]["per_slot_accept"]) for name in methods if name != "vanilla"}
+    assert drafted == {"dcoco@2": 1, "dcoco@5": 4, "dflash@3": 2, "dcoco": 7}  # block B drafts B - 1 slots
+    assert len(methods["dcoco@5"]["coverage_top1"]) == 4
+    assert all(methods[name]["equal_to_vanilla"] == 1.0 for name in drafted)
+    assert report["config"]["block_size"] == 8  # every block size ran on the drafter of config.block_size 8
+    assert "dcoco@5" in result.out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--methods", "dcoco@9"], "must lie in [2, 8], the drafter's config.block_size"),
+        (["--methods", "vanilla@3"], "a block size suffix needs a drafter method"),
+        (["--methods", "dcoco@1"], "a block of at least 2"),
+        (["--methods", "dcoco@3", "--block-size", "4"], "use one or the other"),
+    ],
+)
+def test_bad_block_sizes_in_methods_are_refused(tiny, extra, message):
+    result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 1, *extra)
+    assert result.code == 2 and message in result.err, result.err
 
 
 def test_bench_draft_vocabulary_and_full_vocab(tiny):
