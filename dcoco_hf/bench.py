@@ -237,15 +237,20 @@ def _selection(drafter: DCOCODrafter, selection: str | None) -> Iterator[None]:
         drafter.config.selection = saved
 
 
-def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
-    """Draft blocks of `block_size` (anchor + block_size - 1 slots), at most the size the drafter was configured
-    with: a shorter block only drops trailing mask slots, a longer one would ask for slots it never learned."""
+def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
+    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the size it was configured with,
+    since a shorter block only drops trailing mask slots while a longer one would ask for slots it never learned."""
     if not 2 <= block_size <= drafter.config.block_size:
         raise ValueError(
             f"block size {block_size}: must lie in [2, {drafter.config.block_size}], the drafter's config.block_size. "
             "A drafter predicts no slot beyond the blocks it was trained with; to draft longer blocks, raise "
             "block_size in its config.json up to that size (its model card says which)"
         )
+
+
+def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
+    """Draft blocks of `block_size` (anchor + block_size - 1 slots); see `check_block_size`."""
+    check_block_size(drafter, block_size)
     drafter.config.block_size = block_size
     # transformers reads the draft length from the assistant's generation config.
     drafter.generation_config.num_assistant_tokens = block_size - 1
@@ -576,6 +581,7 @@ __all__ = [
     "PromptItem",
     "RunRecord",
     "build_report",
+    "check_block_size",
     "encode_prompt",
     "format_report",
     "format_table",

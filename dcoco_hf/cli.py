@@ -38,6 +38,7 @@ from .bench import (
     PromptItem,
     RunRecord,
     build_report,
+    check_block_size,
     encode_prompt,
     format_report,
     greedy_mismatch_reason,
@@ -440,7 +441,7 @@ def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
 def apply_block_size(drafter: DCOCODrafter, block_size: int | None, methods: Sequence[str] = ()) -> int:
     """Check the block sizes that `methods` name ("dcoco@3") against the drafter's config, and shorten its block for
     this process to `block_size` (never beyond its config's); returns the block size of unsuffixed methods."""
-    named = [split_method(m)[1] for m in methods if split_method(m)[1] is not None]
+    named = [size for size in (split_method(m)[1] for m in methods) if size is not None]
     if named and block_size is not None:
         raise CLIError(
             f"--block-size {block_size} with block sizes in --methods: use one or the other (--block-size sets one "
@@ -448,8 +449,7 @@ def apply_block_size(drafter: DCOCODrafter, block_size: int | None, methods: Seq
         )
     try:
         for size in named:
-            if size > drafter.config.block_size:
-                set_block_size(drafter, size)  # raises, naming the limit and the fix
+            check_block_size(drafter, size)
         if block_size is not None:
             set_block_size(drafter, block_size)
     except ValueError as err:

@@ -137,8 +137,13 @@ def _color(method: str) -> str:
     its own, the same in every plot."""
     if method in METHODS:
         return f"C{METHODS.index(method) % 10}"
-    base, block = split_method(method)
-    return f"C{(METHODS.index(base) + 3 * (block or 0)) % 10}"
+    try:
+        base, block = split_method(method)
+    except ValueError:
+        block = None
+    if block is None:  # a name this version does not know (a report from elsewhere): still plotted
+        return "black"
+    return f"C{(METHODS.index(base) + 3 * block) % 10}"
 
 
 def _finish(axis, shown: dict, empty_message: str) -> None:
