@@ -4,9 +4,12 @@ it), and the plan `use_few_rows_linear` measures on this machine.
 
 The layouts run interleaved on the same cached context, so the ratios are comparable within the run even on a noisy
 machine. Every layout computes a 1-token step with torch's own F.linear, so that column is plain decoding's cost.
-Speculation pays only when cost(n) / cost(1) is well under the tokens a cycle commits (tau).
+Speculation pays only when cost(n) / cost(1) is well under the tokens a cycle commits (tau). The last line is the
+rounding a verify forward adds: the largest logit difference between one forward of n tokens and n 1-token steps
+(float32 ~1e-5; in half precision enough to flip a near-tie, so greedy outputs are token-exact in float32 only).
 
     python scripts/verify_cost.py                      # the default SmolLM2-135M target
+    python scripts/verify_cost.py --dtype bfloat16     # half precision (no packed GEMM: it is sgemm)
     python scripts/verify_cost.py --target FOLDER --context 400 --tokens 1,2,4,8,16 --repeats 15
 """
 
@@ -33,22 +36,41 @@ def forward_seconds(target, context: torch.LongTensor, new_tokens: int) -> float
         return time.perf_counter() - start
 
 
+@torch.no_grad()
+def verify_rounding(target, context: torch.LongTensor, new_tokens: int) -> float:
+    """Largest |logit| difference between one forward of the last `new_tokens` ids of `context` [1, T] and as many
+    1-token steps, both on a cache of the rest."""
+    logits = []
+    for chunks in ([new_tokens], [1] * new_tokens):
+        cache = DynamicCache(config=target.config)
+        target(context[:, :-new_tokens], cache=cache, use_cache=True, logits_to_keep=1)
+        start = context.shape[1] - new_tokens
+        for size in chunks:
+            logits.append(target(context[:, start : start + size], cache=cache, use_cache=True).logits[0].float())
+            start += size
+    block, steps = logits[0], torch.cat(logits[1:])  # [n, V] each
+    return (block - steps).abs().max().item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--context", type=int, default=200, help="cached context length (default 200)")
     parser.add_argument("--tokens", default="1,2,4,6,8", help="new-token counts to time (default 1,2,4,6,8)")
     parser.add_argument("--repeats", type=int, default=9, help="timed forwards per setting; median kept (default 9)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and activations")
     args = parser.parse_args()
     if args.target is None:
         target, _ = load_default_target()
     else:
         target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    target.to(getattr(torch, args.dtype))
     counts = sorted({int(n) for n in args.tokens.split(",")} | {1})
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.config.vocab_size, (1, args.context + max(counts)), generator=generator)
     rows = range(2, max(counts) + 1)
-    plans = {name: {r: name for r in rows} for name in available_layouts()}
+    layouts = [name for name in available_layouts() if name != "packed" or args.dtype == "float32"]  # sgemm only
+    plans = {name: {r: name for r in rows} for name in layouts}
     plans["measured plan"] = tune_few_rows_layout(target, rows)
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in plans for n in counts}
     for _ in range(args.repeats + 1):  # the first round warms up (and packs) and is dropped
@@ -57,7 +79,7 @@ def main() -> None:
             for n in counts:
                 times[name, n].append(forward_seconds(target, context, n))
     restore_linear(target)
-    print(f"context {args.context}, threads {torch.get_num_threads()}, median of {args.repeats}")
+    print(f"context {args.context}, threads {torch.get_num_threads()}, {args.dtype}, median of {args.repeats}")
     print(f"measured plan: {plans['measured plan']}")
     step = statistics.median(times["gemm", 1][1:]) * 1e3
     print("new tokens | " + " | ".join(f"{name}: ms, x plain step" for name in plans))
@@ -65,6 +87,9 @@ def main() -> None:
         ms = [statistics.median(times[name, n][1:]) * 1e3 for name in plans]
         cells = [f"{value:7.1f} ms {value / step:5.2f}x" for value in ms]
         print(f"{n:10d} | " + " | ".join(cells))
+    n = max(counts)
+    print(f"max |logits of one {n}-token forward - logits of {n} 1-token steps| (torch's GEMM): "
+          f"{verify_rounding(target, context, n):.3g}")
 
 
 if __name__ == "__main__":

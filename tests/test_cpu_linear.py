@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import make_target
@@ -196,3 +199,14 @@ def test_auto_times_a_few_row_counts_and_fills_the_gaps_from_below(monkeypatch):
     assert timed == [2, 3, 4, 5, 6, 7, 8, 12, 16, 20]  # every count up to 8, then about two per octave
     assert set(plan) == set(range(2, 21))
     assert [r for r, name in plan.items() if name == "transposed"] == list(range(12, 21))
+
+
+def test_verify_cost_rounding_compares_the_same_positions():
+    """scripts/verify_cost.py's last line: an n-token forward against n 1-token steps. Misaligned positions would
+    differ by whole logits, not by float32 rounding."""
+    spec = importlib.util.spec_from_file_location("verify_cost", Path(__file__).parents[1] / "scripts/verify_cost.py")
+    verify_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verify_cost)
+    target = make_target("llama")
+    context = torch.randint(0, target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    assert verify_cost.verify_rounding(target, context, 4) < 1e-4
