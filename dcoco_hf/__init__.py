@@ -8,6 +8,7 @@ contextual corrector.
 
 from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
 from .configuration_dcoco import DCOCOConfig
+from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
 from .corrector import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from .generation import SpeculativeOutput, speculative_generate
@@ -19,6 +20,7 @@ DCOCODrafter.register_for_auto_class("AutoModel")
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPU_GQA_ATTENTION",
     "DCOCOCandidateGenerator",
     "DCOCOConfig",
     "DCOCOCorrector",

@@ -46,6 +46,7 @@ from .bench import (
     set_block_size,
     split_method,
 )
+from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import DEFAULT_MAX_ROWS, few_rows_plan, use_few_rows_linear
 from .modeling_dcoco import DCOCODrafter
 from .plots import require_matplotlib, write_plots
@@ -53,7 +54,7 @@ from .plots import require_matplotlib, write_plots
 DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
 DEFAULT_SUITES = "humaneval,mtbench"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+ATTN_IMPLEMENTATIONS = ("sdpa", CPU_GQA_ATTENTION, "flash_attention_2", "eager")
 
 
 class CLIError(Exception):
@@ -145,8 +146,9 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="model dtype (default auto: bfloat16 on GPU, float32 on CPU)")
     common.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default=None,
-                        help="attention implementation (default: flash_attention_2 on GPU when flash_attn is "
-                        "installed, else sdpa)")
+                        help="attention implementation (default: sdpa_cpu_gqa on CPU, which skips transformers' "
+                        "key/value expansion in masked multi-token forwards (dcoco_hf/cpu_attention.py); on GPU "
+                        "flash_attention_2 when flash_attn is installed, else sdpa)")
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
     common.add_argument("--plain-linear", action="store_true",
@@ -265,7 +267,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """sdpa by default; FlashAttention 2 on a GPU when the flash_attn package is importable and the dtype is half."""
+    """sdpa_cpu_gqa on CPU; on a GPU FlashAttention 2 when the flash_attn package is importable and the dtype is
+    half, else sdpa."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "flash_attention_2" and (device.type != "cuda" or not has_flash):
         raise CLIError(
@@ -274,6 +277,8 @@ def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype
         )
     if requested is not None:
         return requested
+    if device.type == "cpu":
+        return CPU_GQA_ATTENTION
     if device.type == "cuda" and has_flash and dtype in (torch.bfloat16, torch.float16):
         return "flash_attention_2"
     return "sdpa"

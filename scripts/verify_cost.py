@@ -1,6 +1,8 @@
 """What a verify forward costs: one target forward of n new tokens relative to a 1-token step, side by side for
 every few-rows linear layout of dcoco_hf/cpu_linear.py (torch's GEMM, W @ x^T, MKL's packed GEMM where torch has
-it), and the plan `use_few_rows_linear` measures on this machine.
+it), and the plan `use_few_rows_linear` measures on this machine. All of them run on the "sdpa_cpu_gqa" attention
+(dcoco_hf/cpu_attention.py, the CLI's CPU default); a last column runs the plan on transformers' "sdpa", which
+expands a grouped-head target's keys/values in every masked multi-token forward.
 
 The layouts run interleaved on the same cached context, so the ratios are comparable within the run even on a noisy
 machine. Every layout computes a 1-token step with torch's own F.linear, so that column is plain decoding's cost.
@@ -23,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from dcoco_hf.assets import load_default_target
+from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
 from dcoco_hf.cpu_linear import available_layouts, restore_linear, tune_few_rows_layout, use_few_rows_linear
 
 
@@ -70,17 +73,21 @@ def main() -> None:
     context = torch.randint(0, target.config.vocab_size, (1, args.context + max(counts)), generator=generator)
     rows = range(2, max(counts) + 1)
     layouts = [name for name in available_layouts() if name != "packed" or args.dtype == "float32"]  # sgemm only
-    plans = {name: {r: name for r in rows} for name in layouts}
-    plans["measured plan"] = tune_few_rows_layout(target, rows)
+    measured = tune_few_rows_layout(target, rows)
+    plans = {name: ({r: name for r in rows}, CPU_GQA_ATTENTION) for name in layouts}
+    plans["measured plan"] = (measured, CPU_GQA_ATTENTION)
+    plans["measured plan, sdpa"] = (measured, "sdpa")
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in plans for n in counts}
     for _ in range(args.repeats + 1):  # the first round warms up (and packs) and is dropped
-        for name, plan in plans.items():
+        for name, (plan, attention) in plans.items():
             use_few_rows_linear(target, layout=plan)
+            target.set_attn_implementation(attention)
             for n in counts:
                 times[name, n].append(forward_seconds(target, context, n))
     restore_linear(target)
+    target.set_attn_implementation(CPU_GQA_ATTENTION)
     print(f"context {args.context}, threads {torch.get_num_threads()}, {args.dtype}, median of {args.repeats}")
-    print(f"measured plan: {plans['measured plan']}")
+    print(f"measured plan: {measured}")
     step = statistics.median(times["gemm", 1][1:]) * 1e3
     print("new tokens | " + " | ".join(f"{name}: ms, x plain step" for name in plans))
     for n in counts:
@@ -88,7 +95,7 @@ def main() -> None:
         cells = [f"{value:7.1f} ms {value / step:5.2f}x" for value in ms]
         print(f"{n:10d} | " + " | ".join(cells))
     n = max(counts)
-    print(f"max |logits of one {n}-token forward - logits of {n} 1-token steps| (torch's GEMM): "
+    print(f"max |logits of one {n}-token forward - logits of {n} 1-token steps| (torch's GEMM, {CPU_GQA_ATTENTION}): "
           f"{verify_rounding(target, context, n):.3g}")
 
 
