@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from dcoco_hf import use_few_rows_linear
+from dcoco_hf import CPU_GQA_ATTENTION, use_few_rows_linear
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.cli import default_drafter_path
 
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     # attach() borrows the target's embedding and lm_head and taps its hidden states: one call, no patching.
     drafter = AutoModel.from_pretrained(args.drafter or default_drafter_path(), trust_remote_code=True).attach(target)
     if target.device.type == "cpu":  # few-row verify forwards in the layout measured fastest on this CPU
+        target.set_attn_implementation(CPU_GQA_ATTENTION)  # and masked GQA attention without the key/value copies
         use_few_rows_linear(target, max_rows=2 * drafter.config.block_size)
         use_few_rows_linear(drafter, max_rows=2 * drafter.config.block_size)
 
