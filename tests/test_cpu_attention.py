@@ -11,7 +11,7 @@ import transformers
 import transformers.integrations.sdpa_attention as hf_sdpa
 from conftest import PROMPT_LEN, make_target
 
-from dcoco_hf import CPU_GQA_ATTENTION
+from dcoco_hf import CPU_GQA_ATTENTION, speculative_generate
 from dcoco_hf.cli import resolve_attn
 
 
@@ -99,3 +99,21 @@ def test_cli_uses_it_by_default_on_cpu_only():
     assert resolve_attn(None, cpu, torch.float32) == CPU_GQA_ATTENTION
     assert resolve_attn("sdpa", cpu, torch.float32) == "sdpa"
     assert resolve_attn(None, cuda, torch.float32) == "sdpa"
+
+
+def test_batched_speculation_on_it_is_exact_and_never_expands_keys(fitted, expansions):
+    """Left padding masks every forward of a batch: prefill, verify and the drafter's block forwards all take the
+    masked-GQA path, and the output stays plain batched generate()'s."""
+    target, drafter = fitted
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, target.config.vocab_size, (3, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[2, :2] = 0, 0
+    common = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = target.generate(ids, **common)
+    with attention(target, CPU_GQA_ATTENTION), attention(drafter, CPU_GQA_ATTENTION):
+        expansions.clear()
+        got = speculative_generate(target, ids, drafter=drafter, **common)
+    assert got.sequences.tolist() == expected.tolist()
+    assert sum(sum(stats.accepted) for stats in got.stats) > 0
+    assert expansions == []

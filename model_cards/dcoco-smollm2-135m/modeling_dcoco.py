@@ -79,9 +79,11 @@ class DCOCOAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         implementation = self.config._attn_implementation
-        if attention_mask is not None and implementation not in ("eager", "sdpa"):
-            implementation = "sdpa"  # kernels without arbitrary masks (FlashAttention) only serve the unmasked path
-        attn_fn = ALL_ATTENTION_FUNCTIONS[implementation] if implementation != "eager" else _eager_attention
+        if attention_mask is not None and implementation not in ("eager", "sdpa", "sdpa_cpu_gqa"):
+            # Kernels without arbitrary masks (FlashAttention) only serve the unmasked path. "sdpa_cpu_gqa" is
+            # dcoco_hf's masked-GQA variant of sdpa (dcoco_hf/cpu_attention.py).
+            implementation = "sdpa"
+        attn_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _eager_attention)
         out, _ = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, is_causal=False)
         return self.o_proj(out.reshape(batch, q_len, -1))
 
