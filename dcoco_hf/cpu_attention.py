@@ -3,9 +3,10 @@
 A verify forward runs a few query rows against the whole cached context under a causal mask. Transformers' SDPA
 path passes ``enable_gqa`` to torch only when there is no mask (CUDA's fast kernels refuse masked GQA), so with a
 mask it first expands every layer's keys and values to all query heads (``repeat_kv``): a copy of the whole cache,
-per layer, per verify forward. Torch's CPU kernel handles masked GQA directly, with the same arithmetic: on
-SmolLM2-135M (9 query / 3 key-value heads) the attention output is bit-identical and a 3-token verify forward at
-250 cached tokens took ~6% less time on a 2-core Intel machine.
+per layer, per verify forward. Torch's CPU kernel handles masked GQA directly, with the same arithmetic (outputs
+bit-identical in our tests). On SmolLM2-135M (9 query / 3 key-value heads, 2-core Intel machine) a 3-token verify
+forward cost 1.06-1.13x a 1-token step instead of 1.22-1.25x at 200 cached tokens, and 1.27x instead of 1.51x at 800
+(`scripts/verify_cost.py`, which runs both side by side).
 
 Importing `dcoco_hf` registers it with transformers as the attention implementation ``"sdpa_cpu_gqa"``:
 ``from_pretrained(..., attn_implementation="sdpa_cpu_gqa")`` or ``model.set_attn_implementation("sdpa_cpu_gqa")``
@@ -44,7 +45,9 @@ def sdpa_cpu_gqa_forward(
     # Position biases, soft-capping and sink logits stay with transformers (which handles or refuses them).
     plain_scores = all(kwargs.get(name) is None for name in ("position_bias", "softcap", "s_aux"))
     if not (grouped and masked_rows and plain_scores and query.device.type == "cpu"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )  # [B, heads, Q, D]
@@ -53,4 +56,3 @@ def sdpa_cpu_gqa_forward(
 
 AttentionInterface.register(CPU_GQA_ATTENTION, sdpa_cpu_gqa_forward)
 AttentionMaskInterface.register(CPU_GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
