@@ -190,7 +190,7 @@ def test_bf16_weights_never_take_the_packed_gemm():
 def test_auto_times_a_few_row_counts_and_fills_the_gaps_from_below(monkeypatch):
     timed = []
 
-    def fake_tune(model, rows, repeats=2):
+    def fake_tune(model, rows, repeats=4):
         timed.extend(rows)
         return {r: ("transposed" if r >= 12 else "gemm") for r in rows}
 
