@@ -247,6 +247,11 @@ class Loaded:
     dtype: torch.dtype
     attn: str
 
+    @property
+    def dtype_name(self) -> str:
+        """"float32", "bfloat16", ...: how run records and messages name the dtype."""
+        return str(self.dtype).removeprefix("torch.")
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -382,8 +387,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _log("running plain generate() on the same prompt for comparison")
         plain = runner.run("vanilla", "prompt", 0, input_ids)
     print()
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    print(generate_summary(dcoco, plain, dcoco.output == plain.output, settings.greedy, dtype))
+    print(generate_summary(dcoco, plain, dcoco.output == plain.output, settings.greedy, loaded.dtype_name))
     return 0
 
 
@@ -534,7 +538,7 @@ def run_config(
         "device_name": (
             torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else cpu_name()
         ),
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": loaded.dtype_name,
         "attn_implementation": loaded.attn,
         "cache": args.cache,
         "few_rows_linear": few_rows_plan(loaded.target),

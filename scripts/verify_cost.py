@@ -29,11 +29,18 @@ from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
 from dcoco_hf.cpu_linear import available_layouts, restore_linear, tune_few_rows_layout, use_few_rows_linear
 
 
-def forward_seconds(target, context: torch.LongTensor, new_tokens: int) -> float:
-    """Time one forward of the last `new_tokens` ids of `context` [1, T] on a cache holding the rest."""
+def cache_before(target, context: torch.LongTensor, new_tokens: int) -> DynamicCache:
+    """A cache holding all of `context` [1, T] but its last `new_tokens` ids."""
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
         target(context[:, :-new_tokens], cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def forward_seconds(target, context: torch.LongTensor, new_tokens: int) -> float:
+    """Time one forward of the last `new_tokens` ids of `context` [1, T] on a cache holding the rest."""
+    cache = cache_before(target, context, new_tokens)
+    with torch.no_grad():
         start = time.perf_counter()
         target(context[:, -new_tokens:], cache=cache, use_cache=True)
         return time.perf_counter() - start
@@ -45,8 +52,7 @@ def verify_rounding(target, context: torch.LongTensor, new_tokens: int) -> float
     1-token steps, both on a cache of the rest."""
     logits = []
     for chunks in ([new_tokens], [1] * new_tokens):
-        cache = DynamicCache(config=target.config)
-        target(context[:, :-new_tokens], cache=cache, use_cache=True, logits_to_keep=1)
+        cache = cache_before(target, context, new_tokens)
         start = context.shape[1] - new_tokens
         for size in chunks:
             logits.append(target(context[:, start : start + size], cache=cache, use_cache=True).logits[0].float())
