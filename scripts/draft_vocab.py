@@ -1,4 +1,4 @@
-"""Give a drafter a frequency-ranked draft vocabulary: it then proposes only the target's most frequent tokens.
+r"""Give a drafter a frequency-ranked draft vocabulary: it then proposes only the target's most frequent tokens.
 
     python scripts/draft_vocab.py --drafter runs/stage2/final --data data/smollm2 data/smollm2-text --size 8192 \
         --output runs/stage2/final

@@ -1,6 +1,8 @@
-"""Regenerate drafter training data: the target answers held-out-safe prompts greedily (resumable).
+r"""Regenerate drafter training data: the target answers held-out-safe prompts greedily (resumable).
 
     python scripts/regenerate_data.py --out data/smollm2 --code 480 --chat 320 [--shards 4]
+    python scripts/regenerate_data.py --out data/smollm2-code-answers --code 768 --chat 0 --whole-stdlib \
+        --exclude data/smollm2
 
 Prompts: documented Python stdlib functions ("complete the function") and questions the target writes itself.
 Never HumanEval or MT-Bench, which stay held out for evaluation.
@@ -24,6 +26,12 @@ def main() -> None:
     parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--code", type=int, default=480, help="number of stdlib code prompts")
     parser.add_argument("--chat", type=int, default=320, help="number of self-instruct chat prompts")
+    parser.add_argument("--whole-stdlib", action="store_true",
+                        help="code prompts from every documented function and method of the standard library (~2100) "
+                             "instead of a curated ~520 functions")
+    parser.add_argument("--exclude", type=Path, nargs="*", default=[],
+                        help="data folders whose prompts.json prompts are left out (a second folder that does not "
+                             "repeat the first)")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--shards", type=int, default=None,
@@ -31,6 +39,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    excluded = set()
+    for folder in args.exclude:  # checked before the target loads: a typo should not cost a generation
+        if not (folder / "prompts.json").exists():
+            parser.error(f"--exclude {folder}: no prompts.json there; pass a folder written by this script")
+        excluded.update(json.loads((folder / "prompts.json").read_text()))
     if args.target is None:
         target, tokenizer = load_default_target()
     else:
@@ -42,7 +55,8 @@ def main() -> None:
         prompts = json.loads(prompts_file.read_text())
     else:
         chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
-        prompts = stdlib_code_prompts(args.code, seed=args.seed) + chat
+        code = stdlib_code_prompts(args.code, seed=args.seed, whole_stdlib=args.whole_stdlib, exclude=excluded)
+        prompts = code + [p for p in chat if p not in excluded]
         prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed))]
     regenerate(target, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, max_shards=args.shards)
 

@@ -1,4 +1,4 @@
-"""Retarget a trained DCOCO drafter to another verifier with the same tokenizer (e.g. a fine-tune) with LoRA only.
+r"""Retarget a trained DCOCO drafter to another verifier with the same tokenizer (e.g. a fine-tune) with LoRA only.
 
 First regenerate data with the NEW target, then train adapters on the drafter backbone and corrector (stage 2):
     python scripts/regenerate_data.py --target my-finetune --out data/my-finetune

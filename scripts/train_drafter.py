@@ -1,4 +1,4 @@
-"""Train a DCOCO drafter with transformers.Trainer (resumable; `accelerate launch` works unchanged).
+r"""Train a DCOCO drafter with transformers.Trainer (resumable; `accelerate launch` works unchanged).
 
 Stage 1 (DFlash backbone, corrector frozen at zero), on regenerated and teacher-forced data together:
     python scripts/train_drafter.py --stage 1 --data data/smollm2 data/smollm2-text --features data/features \

@@ -1,4 +1,4 @@
-"""The shipped training data folder (model_cards/smollm2-135m-self-answers): complete, as its card describes it, and
+"""The shipped training data folders (model_cards/smollm2-135m-*-answers): complete as their cards describe them, and
 disjoint from the evaluation suites."""
 
 from __future__ import annotations
@@ -12,30 +12,36 @@ import pytest
 from dcoco_hf import assets
 from dcoco_hf.training.data import load_shards
 
-FOLDER = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-self-answers"
+CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+SHARD_SIZE = 64  # regenerate()'s default
 
 
-@pytest.fixture(scope="module")
-def records() -> list[dict]:
-    return load_shards(FOLDER)
+@pytest.fixture(scope="module", params=["smollm2-135m-self-answers", "smollm2-135m-code-answers"])
+def folder(request) -> Path:
+    return CARDS / request.param
 
 
-def test_card_figures_are_the_data(records):
-    card = (FOLDER / "README.md").read_text()
-    prompts = json.loads((FOLDER / "prompts.json").read_text())
-    code = sum(p.startswith("Complete the following Python function") for p in prompts)
+def test_card_figures_are_the_data(folder):
+    records = load_shards(folder)
+    card = (folder / "README.md").read_text()
+    prompts = json.loads((folder / "prompts.json").read_text())
+    # A folder made with --shards N answers the first N shards of its prompts; the card says how many.
+    assert len(records) == len(prompts) or len(records) % SHARD_SIZE == 0 < len(records) < len(prompts)
+    answered = prompts[: len(records)]
+    code = sum(p.startswith("Complete the following Python function") for p in answered)
     tokens = sum(len(r["input_ids"]) for r in records)
     answer_tokens = sum(int(r["loss_mask"].sum()) for r in records)
-    assert len(records) == len(prompts)
-    assert f"| records | {len(records)}: {code} code prompts, {len(prompts) - code} chat prompts |" in card
+    assert f"| records | {len(records)}: {code} code prompts, {len(answered) - code} chat prompts |" in card
+    if len(records) < len(prompts):
+        assert f"the first {len(records)} of its {len(prompts)} prompts" in card
     assert f"| tokens | {tokens:,} in all, {answer_tokens:,} of them answer tokens (`loss_mask`) |" in card
     for record in records:  # one prompt, then one answer: the mask is a single tail
         mask = record["loss_mask"]
         assert mask.any() and not mask[: int(mask.nonzero()[0])].any() and mask[int(mask.nonzero()[0]):].all()
 
 
-def test_no_prompt_comes_from_the_evaluation_suites():
-    prompts = json.loads((FOLDER / "prompts.json").read_text())
+def test_no_prompt_comes_from_the_evaluation_suites(folder):
+    prompts = json.loads((folder / "prompts.json").read_text())
     signature = re.compile(r"def \w+\(.*")  # some names recur (`add`), whole signatures must not
     held_out = {m.group(0) for p in assets.suite_prompts("humaneval") for m in signature.finditer(p)}
     assert not {m.group(0) for p in prompts for m in signature.finditer(p)} & held_out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -59,3 +60,15 @@ def test_train_drafter(folders, tmp_path):
     ])
     assert (result["folder"] / "model.safetensors").is_file() and (result["folder"] / "modeling_dcoco.py").is_file()
     assert result["tau_after"] > result["tau_before"]  # training taught the drafter something the target accepts
+
+
+def test_script_and_example_docstrings_keep_their_command_lines():
+    """Their docstrings are their --help text; a shell line break (a backslash at the end of a line) in a non-raw
+    docstring joins two command lines into one with a run of blanks in the middle."""
+    import ast
+
+    root = EXAMPLES.parent
+    for path in sorted([*root.glob("scripts/*.py"), *EXAMPLES.glob("*.py")]):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        glued = [line for line in doc.splitlines() if re.search(r"\S {3,}--", line)]
+        assert not glued, f"{path.name}: {glued}"

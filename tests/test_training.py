@@ -194,6 +194,31 @@ def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_human
     assert tokenizer.decode(records[2]["input_ids"][records[2]["loss_mask"]].long()) == "Hi there!"
 
 
+def test_whole_stdlib_code_prompts_extend_the_curated_ones_drop_excluded_and_hold_out_humaneval():
+    from dcoco_hf import assets
+    from dcoco_hf.training.data import stdlib_code_prompts
+
+    curated, whole = stdlib_code_prompts(), stdlib_code_prompts(whole_stdlib=True)
+    assert len(whole) > 3 * len(curated) > 1200 and len(set(whole)) == len(whole)
+    assert not [p for p in whole if " at 0x" in p]  # the same prompts in every process, so --exclude can match them
+    assert len(set(curated) - set(whole)) < 0.1 * len(curated)  # re-exported functions may be found under another name
+    signature = re.compile(r"def \w+\(.*")
+    held_out = {m.group(0) for p in assets.suite_prompts("humaneval") for m in signature.finditer(p)}
+    assert not {m.group(0) for p in whole for m in signature.finditer(p)} & held_out
+    second = stdlib_code_prompts(200, whole_stdlib=True, exclude=curated)
+    assert len(second) == 200 and not set(second) & set(curated)
+    assert stdlib_code_prompts(200, whole_stdlib=True, exclude=curated) == second  # same seed, same folder on resume
+
+
+def test_regenerate_script_refuses_an_exclude_folder_without_prompts(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "regenerate_data.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "out"), "--exclude", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2 and f"--exclude {tmp_path}: no prompts.json there" in result.stderr
+
+
 def test_train_script_refuses_architecture_flags_next_to_init():
     """With --init the architecture comes from that folder; a --layers beside it would be silently ignored."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_drafter.py"

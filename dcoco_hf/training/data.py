@@ -28,7 +28,7 @@ import json
 import random
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -95,14 +95,31 @@ def _stdlib_functions(
                     signature = str(inspect.signature(func))
                 except (TypeError, ValueError):
                     continue
+                if " at 0x" in signature:  # a default printed with its memory address: a new prompt every process
+                    continue
                 summary = doc.split("\n\n")[0].strip().replace('"""', "'''")
                 seen.add(key)
                 yield f'def {name}{signature}:\n    """{summary}\n    """\n', func
 
 
-def stdlib_code_prompts(limit: int | None = None, seed: int = 0) -> list[str]:
-    """'Complete the following Python function' prompts from documented standard-library functions."""
-    prompts = [HUMANEVAL_TEMPLATE.format(prompt=body) for body, _ in _stdlib_functions()]
+def _whole_stdlib() -> tuple[str, ...]:
+    return tuple(sorted(m for m in sys.stdlib_module_names if m not in _UNSAFE_MODULES))
+
+
+def stdlib_code_prompts(
+    limit: int | None = None, seed: int = 0, whole_stdlib: bool = False, exclude: Iterable[str] = ()
+) -> list[str]:
+    """'Complete the following Python function' prompts from documented standard-library functions.
+
+    The default draws on the functions of STDLIB_MODULES (~520); `whole_stdlib` on every documented function and
+    public-class method of the standard library (~2100), for a second data folder once the first is used up.
+    Prompts in `exclude` (for instance an earlier folder's prompts.json) are dropped before shuffling.
+    """
+    functions = _stdlib_functions(_whole_stdlib(), methods=True) if whole_stdlib else _stdlib_functions()
+    excluded = set(exclude)
+    # dict.fromkeys: methods of sibling classes often share name, signature and docstring summary (~10% repeats).
+    prompts = [p for p in dict.fromkeys(HUMANEVAL_TEMPLATE.format(prompt=body) for body, _ in functions)
+               if p not in excluded]
     random.Random(seed).shuffle(prompts)
     return prompts[:limit]
 
@@ -110,9 +127,8 @@ def stdlib_code_prompts(limit: int | None = None, seed: int = 0) -> list[str]:
 def stdlib_source_pairs() -> list[tuple[str, str]]:
     """(user, assistant) pairs: a "complete the function" prompt for every documented function or method of the
     whole standard library, answered with its real source in a code fence."""
-    modules = tuple(sorted(m for m in sys.stdlib_module_names if m not in _UNSAFE_MODULES))
     pairs = []
-    for body, func in _stdlib_functions(modules, methods=True):
+    for body, func in _stdlib_functions(_whole_stdlib(), methods=True):
         try:
             source = textwrap.dedent(inspect.getsource(func))
         except (OSError, TypeError):
