@@ -8,6 +8,7 @@ own training objective), then `scrambled` randomises the corrector so correction
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -87,3 +88,11 @@ def fitted(arch):
         _FITTED[arch] = (target, fit_drafter(target))
     target, drafter = _FITTED[arch]
     return target, drafter.attach(target)
+
+
+_SIGNATURE = re.compile(r"def \w+\(.*")
+
+
+def function_signatures(prompts) -> set[str]:
+    """Whole `def name(...)` lines of code prompts: held-out checks compare these, since names alone recur (`add`)."""
+    return {m.group(0) for p in prompts for m in _SIGNATURE.finditer(p)}

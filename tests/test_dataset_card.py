@@ -3,17 +3,18 @@ disjoint from the evaluation suites."""
 
 from __future__ import annotations
 
+import inspect
 import json
-import re
 from pathlib import Path
 
 import pytest
+from conftest import function_signatures
 
 from dcoco_hf import assets
-from dcoco_hf.training.data import load_shards
+from dcoco_hf.training.data import load_shards, regenerate
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
-SHARD_SIZE = 64  # regenerate()'s default
+SHARD_SIZE = inspect.signature(regenerate).parameters["shard_size"].default
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-self-answers", "smollm2-135m-code-answers"])
@@ -42,8 +43,6 @@ def test_card_figures_are_the_data(folder):
 
 def test_no_prompt_comes_from_the_evaluation_suites(folder):
     prompts = json.loads((folder / "prompts.json").read_text())
-    signature = re.compile(r"def \w+\(.*")  # some names recur (`add`), whole signatures must not
-    held_out = {m.group(0) for p in assets.suite_prompts("humaneval") for m in signature.finditer(p)}
-    assert not {m.group(0) for p in prompts for m in signature.finditer(p)} & held_out
+    assert not function_signatures(prompts) & function_signatures(assets.suite_prompts("humaneval"))
     questions = {q.strip() for q in assets.suite_prompts("mtbench")}
     assert not questions & {p.strip() for p in prompts}

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, fit_drafter, make_target
+from conftest import VOCAB, fit_drafter, function_signatures, make_target
 from transformers import TrainingArguments
 
 from dcoco_hf import DCOCODrafter
@@ -178,9 +177,7 @@ def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_human
     code, docs = stdlib_source_pairs(), python_docs_pairs()
     assert len(code) > 1000 and len(docs) > 100
     assert all(answer.startswith("```python\n") and "def " in answer and answer.endswith("```") for _, answer in code)
-    signature = re.compile(r"def \w+\(.*")  # some names recur (`add`), whole signatures must not
-    held_out = {m.group(0) for p in assets.suite_prompts("humaneval") for m in signature.finditer(p)}
-    assert not {m.group(0) for p, _ in code for m in signature.finditer(p)} & held_out
+    assert not function_signatures(p for p, _ in code) & function_signatures(assets.suite_prompts("humaneval"))
 
     tokenizer = AutoTokenizer.from_pretrained(assets.default_target_path())
     pairs = [code[0], docs[0], ("Say hi.", "Hi there!")]
@@ -202,9 +199,7 @@ def test_whole_stdlib_code_prompts_extend_the_curated_ones_drop_excluded_and_hol
     assert len(whole) > 3 * len(curated) > 1200 and len(set(whole)) == len(whole)
     assert not [p for p in whole if " at 0x" in p]  # the same prompts in every process, so --exclude can match them
     assert len(set(curated) - set(whole)) < 0.1 * len(curated)  # re-exported functions may be found under another name
-    signature = re.compile(r"def \w+\(.*")
-    held_out = {m.group(0) for p in assets.suite_prompts("humaneval") for m in signature.finditer(p)}
-    assert not {m.group(0) for p in whole for m in signature.finditer(p)} & held_out
+    assert not function_signatures(whole) & function_signatures(assets.suite_prompts("humaneval"))
     second = stdlib_code_prompts(200, whole_stdlib=True, exclude=curated)
     assert len(second) == 200 and not set(second) & set(curated)
     assert stdlib_code_prompts(200, whole_stdlib=True, exclude=curated) == second  # same seed, same folder on resume

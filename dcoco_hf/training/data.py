@@ -95,8 +95,6 @@ def _stdlib_functions(
                     signature = str(inspect.signature(func))
                 except (TypeError, ValueError):
                     continue
-                if " at 0x" in signature:  # a default printed with its memory address: a new prompt every process
-                    continue
                 summary = doc.split("\n\n")[0].strip().replace('"""', "'''")
                 seen.add(key)
                 yield f'def {name}{signature}:\n    """{summary}\n    """\n', func
@@ -118,8 +116,11 @@ def stdlib_code_prompts(
     functions = _stdlib_functions(_whole_stdlib(), methods=True) if whole_stdlib else _stdlib_functions()
     excluded = set(exclude)
     # dict.fromkeys: methods of sibling classes often share name, signature and docstring summary (~10% repeats).
+    # A default printed with its memory address (`<function copy2 at 0x7f...>`) reads differently in every process,
+    # so --exclude could never match its prompt: such functions are left out of prompts (not of the source pairs,
+    # whose folders are made once and never excluded against).
     prompts = [p for p in dict.fromkeys(HUMANEVAL_TEMPLATE.format(prompt=body) for body, _ in functions)
-               if p not in excluded]
+               if p not in excluded and " at 0x" not in p]
     random.Random(seed).shuffle(prompts)
     return prompts[:limit]
 
