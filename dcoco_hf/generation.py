@@ -52,12 +52,12 @@ from .candidate_generator import DCOCOStats, DraftContextCache
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
 
-# Processors whose output depends only on the logits row (not on the sequence so far or its length): the same at
-# every position of a verified block, whichever row length it belongs to.
 # Compact both caches once masked columns (left padding + holes) exceed this fraction of them: a gather of the whole
 # cache, paid rarely, against attention over the wasted columns in every later forward.
 COMPACT_WASTE = 0.5
 
+# Processors whose output depends only on the logits row (not on the sequence so far or its length): the same at
+# every position of a verified block, whichever row length it belongs to.
 _ROW_LOCAL_PROCESSORS = (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
     EpsilonLogitsWarper, EtaLogitsWarper,
