@@ -3,8 +3,10 @@ r"""Regenerate drafter training data: the target answers held-out-safe prompts g
     python scripts/regenerate_data.py --out data/smollm2 --code 480 --chat 320 [--shards 4]
     python scripts/regenerate_data.py --out data/smollm2-code-answers --code 768 --chat 0 --whole-stdlib \
         --exclude data/smollm2
+    python scripts/regenerate_data.py --out data/smollm2-exercises --code 0 --chat 0 --exercises 512
 
-Prompts: documented Python stdlib functions ("complete the function") and questions the target writes itself.
+Prompts: documented Python stdlib functions ("complete the function"), and questions and programming exercises
+the target writes itself.
 Never HumanEval or MT-Bench, which stay held out for evaluation.
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.training.data import regenerate, self_instruct_prompts, stdlib_code_prompts
+from dcoco_hf.training.data import regenerate, self_instruct_exercises, self_instruct_prompts, stdlib_code_prompts
 
 
 def main() -> None:
@@ -26,6 +28,9 @@ def main() -> None:
     parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--code", type=int, default=480, help="number of stdlib code prompts")
     parser.add_argument("--chat", type=int, default=320, help="number of self-instruct chat prompts")
+    parser.add_argument("--exercises", type=int, default=0,
+                        help="number of 'complete the function' prompts for programming exercises the target writes "
+                             "itself (functions named as in HumanEval are dropped)")
     parser.add_argument("--whole-stdlib", action="store_true",
                         help="code prompts from every documented function and method of the standard library (~2100) "
                              "instead of a curated ~520 functions")
@@ -55,8 +60,9 @@ def main() -> None:
         prompts = json.loads(prompts_file.read_text())
     else:
         chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
+        exercises = self_instruct_exercises(target, tokenizer, args.exercises, seed=args.seed) if args.exercises else []
         code = stdlib_code_prompts(args.code, seed=args.seed, whole_stdlib=args.whole_stdlib, exclude=excluded)
-        prompts = code + [p for p in chat if p not in excluded]
+        prompts = code + [p for p in exercises + chat if p not in excluded]
         prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed))]
     regenerate(target, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, max_shards=args.shards)
 

@@ -265,3 +265,54 @@ def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp
     assert len(first) == 4 and len(records) == 5
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, records))  # shards kept as they were
     assert all(int(record["loss_mask"].sum()) == 4 for record in records)  # 4 new tokens each, no EOS in the tiny model
+
+
+def test_exercise_prompt_keeps_signature_and_docstring_and_drops_the_body():
+    from dcoco_hf.training.data import exercise_prompt
+
+    reply = (
+        "Here is an exercise:\n```python\ndef count_vowels(text: str) -> int:\n"
+        '    """Count the vowels of a text.\n\n    >>> count_vowels("banana")\n    3\n    """\n'
+        "    return sum(c in 'aeiou' for c in text)\n```\nThe function counts vowels."
+    )
+    name, prompt = exercise_prompt(reply)
+    assert name == "count_vowels"
+    assert prompt == (
+        'Complete the following Python function:\n```python\ndef count_vowels(text: str) -> int:\n'
+        '    """Count the vowels of a text.\n\n    >>> count_vowels("banana")\n    3\n    """\n```'
+    )
+    assert exercise_prompt("def f(x):\n    return x") is None  # no docstring: no task to complete
+    # The first function with a docstring, and nothing of the code around it.
+    two = 'def helper(x):\n    return x\n\ndef is_even(n):\n    """Return True if n is an even number."""\n    return 0'
+    assert exercise_prompt(two)[1].split("\n")[2:] == ["def is_even(n):", '    """Return True if n is an even number.',
+                                                         '    """', "```"]
+    first = exercise_prompt('def a(x):\n    """The first task, with a docstring."""\n\ndef b(y):\n    """Another."""')
+    assert first[0] == "a" and "def b" not in first[1]
+    assert exercise_prompt('def f(x):\n    """Short."""\n') is None  # too short to state a task
+    assert exercise_prompt("    def method(self):\n        '''A nested method, not a task of its own.'''") is None
+    single = exercise_prompt("def area(r):\n    '''Return the area of a circle of radius r.'''\n    pass")
+    assert single == ("area", 'Complete the following Python function:\n```python\ndef area(r):\n'
+                              '    """Return the area of a circle of radius r.\n    """\n```')
+
+
+def test_self_instruct_exercises_drop_humaneval_names_and_repeats(monkeypatch):
+    from dcoco_hf.training import data
+
+    replies = iter([
+        'def is_prime(n):\n    """Return True if n is a prime number."""',  # a HumanEval function's name
+        'def area(r):\n    """Return the area of a circle of radius r."""',
+        'def area(r, pi=3.14):\n    """Return the area of a circle, another way."""',  # a repeated name
+        "no function here",
+        'def shout(text):\n    """Return the text in upper case, with an exclamation mark."""',
+        'def one_too_many(x):\n    """A third exercise, past the requested count."""',
+    ])
+    asked = []
+
+    def sampled(target, tokenizer, asks, max_new_tokens, temperature, batch_size):
+        asked.extend(asks)
+        return [next(replies) for _ in asks]
+
+    monkeypatch.setattr(data, "_sampled_replies", sampled)
+    prompts = data.self_instruct_exercises(None, None, count=2, batch_size=2)
+    assert [p.split("\n")[2] for p in prompts] == ["def area(r):", "def shout(text):"]
+    assert len(asked) == 6 and all(any(topic in a for topic in data.EXERCISE_TOPICS) for a in asked)

@@ -6,7 +6,10 @@ accept. Prompt sources must stay disjoint from the evaluation suites (HumanEval,
 * code prompts from Python standard-library functions: each one's signature and docstring summary, asked in the
   same "complete the function" form our HumanEval prompts use (different functions, same task shape);
 * chat prompts written by the target itself ("self-instruct"): the target is asked, with sampling, for a question a
-  user might ask about one of a fixed list of everyday topics.
+  user might ask about one of a fixed list of everyday topics;
+* programming exercises written by the target itself: asked for the signature and docstring of a small function
+  about a programming topic, the first such function of its reply becomes a "complete the function" prompt (closer to
+  HumanEval's small algorithmic tasks than library functions are; functions named as in HumanEval are dropped).
 
 Regeneration runs at ~50 tokens/s on a 2-core CPU. Teacher-forced text is 5-10x cheaper per labelled token (one
 target forward per sequence; `losses.pack_blocks` labels each slot with the target's own greedy token, and only while
@@ -26,6 +29,7 @@ import importlib
 import inspect
 import json
 import random
+import re
 import sys
 import textwrap
 from collections.abc import Iterable, Iterator
@@ -34,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
+from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, humaneval_prompts, left_pad, padding_id
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",
@@ -65,6 +69,24 @@ CHAT_TOPICS = (
     "debugging Python code", "SQL queries", "algorithms", "data structures", "web development", "command line tools",
 )
 
+EXERCISE_TOPICS = (
+    "strings", "lists of numbers", "prime numbers", "palindromes", "sorting", "dictionaries", "vowels", "matrices",
+    "digits of a number", "counting characters", "sums and products", "even and odd numbers", "maximum and minimum",
+    "averages", "Fibonacci numbers", "factorials", "binary numbers", "anagrams", "words in a sentence",
+    "removing duplicates", "sets", "tuples", "intervals", "geometry", "temperatures", "student grades",
+    "shopping carts", "bank accounts", "string formatting", "recursion", "greatest common divisors", "powers",
+    "roman numerals", "a Caesar cipher", "run-length encoding", "balanced brackets", "stacks", "queues",
+    "searching a list", "nested lists", "dates and times", "uppercase and lowercase letters", "substrings",
+    "splitting and joining strings", "counting words", "frequencies", "cumulative sums", "rotating a list",
+    "merging lists", "pairs of numbers", "triangles", "circles and areas", "unit conversion", "leap years",
+    "time durations", "prices and discounts", "scores of a game", "grids", "coordinates", "distances",
+    "sequences", "number patterns", "divisibility", "rounding numbers", "parsing numbers from text",
+    "validating input", "passwords", "email addresses", "file names", "hexadecimal numbers", "bits",
+    "reversing things", "filtering a list", "mapping values", "grouping items", "ranking items", "histograms",
+)
+_EXERCISE = re.compile(  # a one-line top-level def, then at once its docstring (either quote style, any lines)
+    r'^(def \w+\([^\n]*\)(?:[ \t]*->[^:\n]+)?:)[ \t]*\n[ \t]+(?P<q>"""|\'\'\')(?P<doc>.+?)(?P=q)', re.M | re.S
+)
 
 # Importing these has side effects (a browser, a printed poem, a GUI) or pulls test suites.
 _UNSAFE_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "__phello__"}
@@ -177,6 +199,19 @@ def teacher_forced_shards(
 
 
 @torch.no_grad()
+def _sampled_replies(
+    target, tokenizer, asks: list[str], max_new_tokens: int, temperature: float, batch_size: int
+) -> Iterator[str]:
+    """The target's sampled reply (top-p 0.95) to each ask, in order."""
+    for batch in _batches(asks, batch_size):
+        ids, mask = left_pad([chat_input_ids(tokenizer, a)[0] for a in batch], padding_id(tokenizer))
+        out = target.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+            top_p=0.95,
+        )
+        yield from tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+
+
 def self_instruct_prompts(target, tokenizer, count: int, seed: int = 0, batch_size: int = 32) -> list[str]:
     """`count` user questions written by the target itself, each about a topic from CHAT_TOPICS (sampled, T=0.9)."""
     rng = random.Random(seed)
@@ -187,16 +222,57 @@ def self_instruct_prompts(target, tokenizer, count: int, seed: int = 0, batch_si
         for _ in range(count)
     ]
     questions = []
-    for batch in _batches(asks, batch_size):
-        ids, mask = left_pad([chat_input_ids(tokenizer, a)[0] for a in batch], padding_id(tokenizer))
-        out = target.generate(
-            ids, attention_mask=mask, max_new_tokens=48, do_sample=True, temperature=0.9, top_p=0.95,
-        )
-        for row in tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True):
-            question = row.strip().split("\n")[0].strip().strip('"')
-            if len(question) > 15:
-                questions.append(question)
+    replies = _sampled_replies(target, tokenizer, asks, 48, 0.9, batch_size)
+    for reply in tqdm(replies, total=len(asks), desc="questions", unit="ask"):
+        question = reply.strip().split("\n")[0].strip().strip('"')
+        if len(question) > 15:
+            questions.append(question)
     return questions
+
+
+def exercise_prompt(reply: str) -> tuple[str, str] | None:
+    """(function name, "complete the function" prompt) from the first top-level function with a docstring of at
+    least 20 characters in a reply; None when there is none. Whatever body the reply wrote is dropped."""
+    for match in _EXERCISE.finditer(reply):
+        doc = inspect.cleandoc(match["doc"])
+        if len(doc) >= 20:
+            signature, name = match[1], match[1][4 : match[1].index("(")]
+            docstring = textwrap.indent(doc, "    ", lambda line: line.strip() != "").lstrip()
+            return name, HUMANEVAL_TEMPLATE.format(prompt=f'{signature}\n    """{docstring}\n    """\n')
+    return None
+
+
+def self_instruct_exercises(
+    target, tokenizer, count: int, seed: int = 0, batch_size: int = 32, max_asks: int | None = None
+) -> list[str]:
+    """Up to `count` "complete the function" prompts for programming exercises the target writes itself.
+
+    The target is asked (sampled, T=0.8) for the signature and docstring of a short function about a topic from
+    EXERCISE_TOPICS; `exercise_prompt` turns the first function of each reply into a prompt. Functions with a
+    HumanEval function's name (its `is_prime`, say) are dropped, so the suite stays held out even in spirit, and
+    so are repeated names. Asks go on in batches until `count` prompts are found or `max_asks` (default 3 x count)
+    asks are spent.
+    """
+    held_out = {m for p in humaneval_prompts() for m in re.findall(r"def (\w+)\(", p)}
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    prompts: dict[str, str] = {}  # function name -> prompt
+    progress = tqdm(total=count, desc="exercises", unit="prompt")
+    for _ in range(0, max_asks or 3 * count, batch_size):
+        asks = [
+            f"Write a short Python programming exercise about {rng.choice(EXERCISE_TOPICS)}: only the function "
+            "signature and a docstring that explains the task with an example. Do not write the solution."
+            for _ in range(batch_size)
+        ]
+        for reply in _sampled_replies(target, tokenizer, asks, 128, 0.8, batch_size):
+            found = exercise_prompt(reply)
+            if found is not None and found[0] not in held_out and found[0] not in prompts:
+                prompts[found[0]] = found[1]
+        progress.update(min(len(prompts), count) - progress.n)
+        if len(prompts) >= count:
+            break
+    progress.close()
+    return list(prompts.values())[:count]
 
 
 @torch.no_grad()
