@@ -17,7 +17,10 @@ CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 SHARD_SIZE = inspect.signature(regenerate).parameters["shard_size"].default
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m-self-answers", "smollm2-135m-code-answers"])
+@pytest.fixture(
+    scope="module",
+    params=["smollm2-135m-self-answers", "smollm2-135m-code-answers", "smollm2-135m-exercise-answers"],
+)
 def folder(request) -> Path:
     return CARDS / request.param
 
