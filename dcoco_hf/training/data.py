@@ -85,7 +85,9 @@ EXERCISE_TOPICS = (
     "reversing things", "filtering a list", "mapping values", "grouping items", "ranking items", "histograms",
 )
 _EXERCISE = re.compile(  # a one-line top-level def, then at once its docstring (either quote style, any lines)
-    r'^(def \w+\([^\n]*\)(?:[ \t]*->[^:\n]+)?:)[ \t]*\n[ \t]+(?P<q>"""|\'\'\')(?P<doc>.+?)(?P=q)', re.M | re.S
+    r'^(?P<signature>def (?P<name>\w+)\([^\n]*\)(?:[ \t]*->[^:\n]+)?:)[ \t]*\n'
+    r'[ \t]+(?P<q>"""|\'\'\')(?P<doc>.+?)(?P=q)',
+    re.M | re.S,
 )
 
 # Importing these has side effects (a browser, a printed poem, a GUI) or pulls test suites.
@@ -236,9 +238,9 @@ def exercise_prompt(reply: str) -> tuple[str, str] | None:
     for match in _EXERCISE.finditer(reply):
         doc = inspect.cleandoc(match["doc"])
         if len(doc) >= 20:
-            signature, name = match[1], match[1][4 : match[1].index("(")]
             docstring = textwrap.indent(doc, "    ", lambda line: line.strip() != "").lstrip()
-            return name, HUMANEVAL_TEMPLATE.format(prompt=f'{signature}\n    """{docstring}\n    """\n')
+            stub = f'{match["signature"]}\n    """{docstring}\n    """\n'
+            return match["name"], HUMANEVAL_TEMPLATE.format(prompt=stub)
     return None
 
 
