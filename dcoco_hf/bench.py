@@ -14,8 +14,8 @@ shared, noisy machine hit all methods alike and the speed ratios stay fair.
 
 Acceptance numbers come from one measuring stick for all methods (`ForwardTrace`): a forward pre-hook on the target
 records the cache length and input length of every target forward, from which the drafted and accepted tokens of each
-verification follow. tau = new tokens / target forwards. DCOCO-only numbers (top-1/top-K coverage, drafter and
-corrector time) come from `drafter.generation_stats`.
+verification follow. tau = new tokens / target forwards. DCOCO-only numbers (top-1/top-K coverage, the top-K
+ceiling of tau, drafter and corrector time) come from `drafter.generation_stats`.
 """
 
 from __future__ import annotations
@@ -466,6 +466,8 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
         "per_slot_accept": acceptance.per_slot_accept(),
         "coverage_top1": None,
         "coverage_topk": None,
+        "argmax_prefix_tau": None,
+        "topk_ceiling_tau": None,
         "corrector_share": None,
         "drafter_seconds": None,
         "corrector_seconds": None,
@@ -479,6 +481,8 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
         summary.update(
             coverage_top1=_ratios(merged.slot_top1, merged.slot_seen),
             coverage_topk=_ratios(merged.slot_topk, merged.slot_seen),
+            argmax_prefix_tau=merged.prefix_tau(within_topk=False),
+            topk_ceiling_tau=merged.prefix_tau(within_topk=True),
             corrector_share=merged.corrector_seconds / seconds if seconds > 0 else None,
             drafter_seconds=merged.drafter_seconds,
             corrector_seconds=merged.corrector_seconds,
@@ -511,7 +515,7 @@ def build_report(records: list[RunRecord], methods: Sequence[str], config: dict[
 # Text table
 # ---------------------------------------------------------------------------------------------------------------
 
-_COLUMNS = ("method", "prompts", "tokens", "seconds", "tok/s", "speedup", "tau", "equal", "corrector")
+_COLUMNS = ("method", "prompts", "tokens", "seconds", "tok/s", "speedup", "tau", "top-K ceiling", "equal", "corrector")
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -530,6 +534,7 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
             _cell(s["tokens_per_s"], ".1f"),
             "-" if s["speedup"] is None else f"{s['speedup']:.2f}x",
             _cell(s["tau"], ".2f"),
+            _cell(s["topk_ceiling_tau"], ".2f"),
             _cell(s["equal_to_vanilla"], ".2f"),
             "-" if s["corrector_share"] is None else f"{100 * s['corrector_share']:.1f}%",
         ))

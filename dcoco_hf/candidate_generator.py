@@ -194,10 +194,16 @@ class DCOCOStats:
     slot_top1: list[int] = field(default_factory=list)
     slot_topk: list[int] = field(default_factory=list)
     slot_seen: list[int] = field(default_factory=list)
+    # per drafted slot s: cycles whose committed tokens at slots 1..s were all top-1 / all inside the top-K
+    prefix_top1: list[int] = field(default_factory=list)
+    prefix_topk: list[int] = field(default_factory=list)
+
+    _SLOT_FIELDS = ("slot_proposed", "slot_accepted", "slot_top1", "slot_topk", "slot_seen", "prefix_top1",
+                    "prefix_topk")
 
     def __post_init__(self) -> None:
         slots = self.block_size - 1
-        for name in ("slot_proposed", "slot_accepted", "slot_top1", "slot_topk", "slot_seen"):
+        for name in self._SLOT_FIELDS:
             if not getattr(self, name):
                 setattr(self, name, [0] * slots)
 
@@ -211,6 +217,16 @@ class DCOCOStats:
 
     def accept_hist(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accepted).items()))
+
+    def prefix_tau(self, within_topk: bool) -> float | None:
+        """Tokens per verify these cycles would commit if each kept its longest run of right slots: counting a slot
+        right when the committed token was the drafter's top-1 (what argmax drafting of the same blocks earns) or
+        anywhere in its top-K (`within_topk`: the ceiling of every walk over these candidates, a perfect corrector's).
+        """
+        prefix = self.prefix_topk if within_topk else self.prefix_top1
+        if not self.slot_seen or not self.slot_seen[0]:
+            return None
+        return 1 + sum(n / d for n, d in zip(prefix, self.slot_seen) if d)
 
     def as_dict(self) -> dict[str, Any]:
         def ratio(num: list[int], den: list[int]) -> list[float | None]:
@@ -226,6 +242,8 @@ class DCOCOStats:
             "per_slot_accept": ratio(self.slot_accepted, self.slot_proposed),
             "coverage_top1": ratio(self.slot_top1, self.slot_seen),
             "coverage_topk": ratio(self.slot_topk, self.slot_seen),
+            "argmax_prefix_tau": self.prefix_tau(within_topk=False),
+            "topk_ceiling_tau": self.prefix_tau(within_topk=True),
             "drafter_seconds": self.drafter_seconds,
             "corrector_seconds": self.corrector_seconds,
             "target_seconds": self.target_seconds,
@@ -238,7 +256,7 @@ class DCOCOStats:
                      "target_seconds"):
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         merged.accepted = self.accepted + other.accepted
-        for name in ("slot_proposed", "slot_accepted", "slot_top1", "slot_topk", "slot_seen"):
+        for name in self._SLOT_FIELDS:
             setattr(merged, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
         return merged
 
@@ -398,10 +416,14 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         for length, candidates in self._slot_candidates:  # candidates [S, K]
             truth = sequence[length : length + candidates.shape[0]].to(candidates.device)
             hits = candidates[: truth.shape[0]] == truth[:, None]  # [s, K]
+            top1_run = hits[:, 0].long().cumprod(0)  # [s] 1 while every slot so far was top-1
+            topk_run = hits.any(-1).long().cumprod(0)  # [s] 1 while every slot so far was inside the top-K
             for slot in range(truth.shape[0]):
                 stats.slot_seen[slot] += 1
                 stats.slot_top1[slot] += bool(hits[slot, 0])
                 stats.slot_topk[slot] += bool(hits[slot].any())
+                stats.prefix_top1[slot] += int(top1_run[slot])
+                stats.prefix_topk[slot] += int(topk_run[slot])
         self._slot_candidates = []
 
 
