@@ -4,6 +4,8 @@ r"""Regenerate drafter training data: the target answers held-out-safe prompts g
     python scripts/regenerate_data.py --out data/smollm2-code-answers --code 768 --chat 0 --whole-stdlib \
         --exclude data/smollm2
     python scripts/regenerate_data.py --out data/smollm2-exercises --code 0 --chat 0 --exercises 512
+    python scripts/regenerate_data.py --out data/smollm2-exercises2 --code 0 --chat 0 --exercises 1536 --seed 1 \
+        --exclude data/smollm2-exercises
 
 Prompts: documented Python stdlib functions ("complete the function"), and questions and programming exercises
 the target writes itself.
@@ -60,7 +62,11 @@ def main() -> None:
         prompts = json.loads(prompts_file.read_text())
     else:
         chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
-        exercises = self_instruct_exercises(target, tokenizer, args.exercises, seed=args.seed) if args.exercises else []
+        exercises = (
+            self_instruct_exercises(target, tokenizer, args.exercises, seed=args.seed, exclude=excluded)
+            if args.exercises
+            else []
+        )
         code = stdlib_code_prompts(args.code, seed=args.seed, whole_stdlib=args.whole_stdlib, exclude=excluded)
         prompts = code + [p for p in exercises + chat if p not in excluded]
         prompts = [prompts[i] for i in torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed))]

@@ -19,7 +19,8 @@ SHARD_SIZE = inspect.signature(regenerate).parameters["shard_size"].default
 
 @pytest.fixture(
     scope="module",
-    params=["smollm2-135m-self-answers", "smollm2-135m-code-answers", "smollm2-135m-exercise-answers"],
+    params=["smollm2-135m-self-answers", "smollm2-135m-code-answers", "smollm2-135m-exercise-answers",
+            "smollm2-135m-exercise-answers-2"],
 )
 def folder(request) -> Path:
     return CARDS / request.param

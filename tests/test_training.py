@@ -316,3 +316,14 @@ def test_self_instruct_exercises_drop_humaneval_names_and_repeats(monkeypatch):
     prompts = data.self_instruct_exercises(None, None, count=2, batch_size=2)
     assert [p.split("\n")[2] for p in prompts] == ["def area(r):", "def shout(text):"]
     assert len(asked) == 6 and all(any(topic in a for topic in data.EXERCISE_TOPICS) for a in asked)
+
+
+def test_self_instruct_exercises_skip_names_of_an_excluded_folder(monkeypatch):
+    from dcoco_hf.training import data
+
+    replies = iter(['def area(r):\n    """Return the area of a circle, asked again."""',
+                    'def shout(text):\n    """Return the text in upper case, with an exclamation mark."""'])
+    monkeypatch.setattr(data, "_sampled_replies", lambda *args: [next(replies) for _ in args[2]])
+    earlier = data.HUMANEVAL_TEMPLATE.format(prompt='def area(r):\n    """The area of a circle of radius r."""\n')
+    prompts = data.self_instruct_exercises(None, None, count=2, batch_size=2, max_asks=2, exclude=[earlier])
+    assert [p.split("\n")[2] for p in prompts] == ["def shout(text):"]

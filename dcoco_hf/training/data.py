@@ -245,17 +245,24 @@ def exercise_prompt(reply: str) -> tuple[str, str] | None:
 
 
 def self_instruct_exercises(
-    target, tokenizer, count: int, seed: int = 0, batch_size: int = 32, max_asks: int | None = None
+    target,
+    tokenizer,
+    count: int,
+    seed: int = 0,
+    batch_size: int = 32,
+    max_asks: int | None = None,
+    exclude: Iterable[str] = (),
 ) -> list[str]:
     """Up to `count` "complete the function" prompts for programming exercises the target writes itself.
 
     The target is asked (sampled, T=0.8) for the signature and docstring of a short function about a topic from
     EXERCISE_TOPICS; `exercise_prompt` turns the first function of each reply into a prompt. Functions with a
     HumanEval function's name (its `is_prime`, say) are dropped, so the suite stays held out even in spirit, and
-    so are repeated names. Asks go on in batches until `count` prompts are found or `max_asks` (default 3 x count)
-    asks are spent.
+    so are repeated names, also against the prompts in `exclude` (an earlier folder's: a second folder then adds
+    new functions, not new docstrings for old ones). Asks go on in batches until `count` prompts are found or
+    `max_asks` (default 3 x count) asks are spent.
     """
-    held_out = {m for p in humaneval_prompts() for m in re.findall(r"def (\w+)\(", p)}
+    held_out = {m for p in [*humaneval_prompts(), *exclude] for m in re.findall(r"def (\w+)\(", p)}
     rng = random.Random(seed)
     torch.manual_seed(seed)
     prompts: dict[str, str] = {}  # function name -> prompt
