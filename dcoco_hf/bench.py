@@ -8,6 +8,8 @@ Every method is a plain `target.generate(...)` call, so the numbers are what a t
   DCOCO drafter's backbone without the corrector (plain argmax blocks).
 * ``dcoco`` / ``dcoco-viterbi`` / ``dcoco-geometric``: `assistant_model=drafter` with the corrector's walk set to
   the drafter config's default / "viterbi" / "geometric" for that call.
+* ``dcoco-paper``: the paper's prefix-first walk with slot 1 kept at the drafter argmax, i.e. ``dcoco`` without our
+  `correct_first_slot` extension (the same as ``dcoco`` for a drafter that does not use it).
 
 Methods run interleaved (for each prompt, every method once, in an order rotated per prompt), so slow phases of a
 shared, noisy machine hit all methods alike and the speed ratios stay fair.
@@ -35,14 +37,20 @@ from .assets import chat_input_ids
 from .candidate_generator import DCOCOStats, forward_inputs
 from .modeling_dcoco import DCOCODrafter
 
-METHODS = ("vanilla", "prompt_lookup", "dflash", "dcoco", "dcoco-viterbi", "dcoco-geometric")
+METHODS = ("vanilla", "prompt_lookup", "dflash", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric")
 """All benchmark methods, in their default order."""
 
-DRAFTER_METHODS = frozenset({"dflash", "dcoco", "dcoco-viterbi", "dcoco-geometric"})
+DRAFTER_METHODS = frozenset({"dflash", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"})
 """Methods that need the DCOCO drafter."""
 
-# Corrector walk per DCOCO method; None keeps the drafter config's own `selection`.
-DCOCO_SELECTIONS: dict[str, str | None] = {"dcoco": None, "dcoco-viterbi": "viterbi", "dcoco-geometric": "geometric"}
+# Drafter config fields each DCOCO method sets for its calls; "dcoco" keeps the config's own. "dcoco-paper" is the
+# paper's walk, slot 1 left at the drafter argmax: against "dcoco" it isolates `correct_first_slot`.
+DCOCO_WALKS: dict[str, dict[str, Any]] = {
+    "dcoco": {},
+    "dcoco-paper": {"selection": "greedy", "correct_first_slot": False},
+    "dcoco-viterbi": {"selection": "viterbi"},
+    "dcoco-geometric": {"selection": "geometric"},
+}
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -224,17 +232,19 @@ def _device_sync(device: torch.device) -> Callable[[], None]:
 
 
 @contextmanager
-def _selection(drafter: DCOCODrafter, selection: str | None) -> Iterator[None]:
-    """Use corrector walk `selection` for the duration of one call; the drafter's config is restored afterwards."""
-    if selection is None:
+def _config_fields(drafter: DCOCODrafter | None, fields: dict[str, Any]) -> Iterator[None]:
+    """Set drafter config `fields` for the duration of one call; the drafter's config is restored afterwards."""
+    if drafter is None or not fields:
         yield
         return
-    saved = drafter.config.selection
-    drafter.config.selection = selection
+    saved = {name: getattr(drafter.config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(drafter.config, name, value)
     try:
         yield
     finally:
-        drafter.config.selection = saved
+        for name, value in saved.items():
+            setattr(drafter.config, name, value)
 
 
 def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
@@ -338,7 +348,7 @@ class MethodRunner:
         with (
             _block_size(self.drafter, block_size),
             self.trace.record() as trace,
-            _selection(self.drafter, DCOCO_SELECTIONS.get(base)),
+            _config_fields(self.drafter, DCOCO_WALKS.get(base, {})),
         ):
             kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
             if streamer is not None:
@@ -348,7 +358,7 @@ class MethodRunner:
             output = self.target.generate(input_ids, attention_mask=attention_mask, **kwargs)
             self._sync()
             seconds = time.perf_counter() - start
-            dcoco = self._dcoco_stats(output) if base in DCOCO_SELECTIONS else None
+            dcoco = self._dcoco_stats(output) if base in DCOCO_WALKS else None
         return RunRecord(
             suite=suite,
             prompt_index=index,
@@ -440,10 +450,6 @@ def _compare_with_vanilla(row: list[RunRecord], greedy: bool) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _ratios(numerators: list[int], denominators: list[int]) -> list[float | None]:
-    return [n / d if d else None for n, d in zip(numerators, denominators)]
-
-
 def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) -> dict[str, Any]:
     """Totals of one method over some prompts. `vanilla_seconds`: vanilla's wall time on the same prompts."""
     seconds = sum(r.seconds for r in records)
@@ -478,11 +484,9 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
         merged = dcoco[0]
         for stats in dcoco[1:]:
             merged = merged.merge(stats)
+        totals = merged.as_dict()
         summary.update(
-            coverage_top1=_ratios(merged.slot_top1, merged.slot_seen),
-            coverage_topk=_ratios(merged.slot_topk, merged.slot_seen),
-            argmax_prefix_tau=merged.prefix_tau(within_topk=False),
-            topk_ceiling_tau=merged.prefix_tau(within_topk=True),
+            {key: totals[key] for key in ("coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau")},
             corrector_share=merged.corrector_seconds / seconds if seconds > 0 else None,
             drafter_seconds=merged.drafter_seconds,
             corrector_seconds=merged.corrector_seconds,

@@ -8,7 +8,8 @@ records of each training folder and (b) the target's own greedy answers to the f
 MT-Bench prompts. A large gap between the two is a generalisation gap (more varied data helps). The last two columns
 measure the corrector: over adjacent slot pairs whose true tokens are both in the top-K, given the true predecessor,
 how often the true successor is the drafter's top-1 and how often it is the corrector's best successor (the
-prefix-first walk's pick). Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design:
+prefix-first walk's pick). With `correct_first_slot` two more columns compare the same two picks at slot 1, after
+the anchor, over blocks whose slot-1 token is in the top-K. Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design:
 cycles start right after a rejection, at the harder positions. Train/inference
 mismatches are caught by tests/test_train_inference_parity.py instead.
 """
@@ -31,11 +32,13 @@ from dcoco_hf.training.data import load_shards
 @torch.no_grad()
 def slot_accuracy(drafter: DCOCODrafter, input_ids: torch.LongTensor, loss_mask: torch.BoolTensor) -> torch.Tensor:
     """Over every anchor of one sequence [1, T] (anchors before response tokens): top-1 accuracy per slot, then the
-    successor accuracy of the drafter and of the corrector given the true predecessor -> [S + 2]."""
+    successor accuracy of the drafter and of the corrector given the true predecessor, then the same two at slot 1
+    after the anchor (NaN without `correct_first_slot`) -> [S + 4]."""
     states, argmax = target_context(drafter.target, drafter.config.target_layer_ids, input_ids)
     anchors = int(loss_mask.sum())
     out = drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors)
-    return torch.cat([out.slot_accuracy, torch.stack(out.successor_accuracy)])
+    first = out.first_slot_accuracy or (torch.tensor(float("nan")),) * 2
+    return torch.cat([out.slot_accuracy, torch.stack(out.successor_accuracy), torch.stack(first)])
 
 
 def held_out_answers(
@@ -68,11 +71,14 @@ def main() -> None:
     }
     for suite in ("humaneval", "mtbench"):
         sources[f"held-out {suite}"] = held_out_answers(target, tokenizer, suite, args.limit, args.max_new_tokens)
+    first_slot = drafter.config.correct_first_slot
     print("per-slot top-1 accuracy (slot 1 first) | successor accuracy given the true predecessor, both in the "
-          "top-K: drafter top-1, corrector (mean over sequences)")
+          "top-K: drafter top-1, corrector" + (" | the same at slot 1 after the anchor" if first_slot else "")
+          + " (mean over sequences)")
     for name, sequences in sources.items():
         accuracy = torch.stack([slot_accuracy(drafter, ids, mask) for ids, mask in sequences]).nanmean(0).tolist()
-        print(f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy[:-2]) + " | {:.2f} {:.2f}".format(*accuracy[-2:]))
+        line = f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy[:-4]) + " | {:.2f} {:.2f}".format(*accuracy[-4:-2])
+        print(line + (" | {:.2f} {:.2f}".format(*accuracy[-2:]) if first_slot else ""))
 
 
 if __name__ == "__main__":

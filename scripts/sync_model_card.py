@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import dcoco_hf
@@ -16,7 +16,11 @@ CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "ca
 
 def main() -> None:
     root = Path(__file__).resolve().parents[1]
-    card = Path(sys.argv[1]) if len(sys.argv) > 1 else root / "model_cards" / "dcoco-smollm2-135m"
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("card", type=Path, nargs="?", default=root / "model_cards" / "dcoco-smollm2-135m")
+    card = parser.parse_args().card
+    if not (card / "config.json").exists():
+        parser.error(f"{card}: no config.json there; pass a drafter folder (save_pretrained output)")
     for name in CODE_FILES:
         shutil.copyfile(Path(dcoco_hf.__file__).parent / name, card / name)
         print(f"copied {name} -> {card}")

@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--init-from-target", action="store_true", help="warm-start layers from the target's last ones")
     p.add_argument("--corrector-only", action="store_true",
                    help="stage 2: freeze the backbone and train only the corrector (needs --init)")
+    p.add_argument("--correct-first-slot", action="store_true",
+                   help="stage 2: train (and ship) the anchor -> slot 1 transitions too, so the walk may re-select "
+                        "slot 1 (config `correct_first_slot`; adds no weights, so it goes with --init)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -66,6 +69,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"{flags}: these shape a new drafter, but --init {args.init} brings its own architecture; drop them")
     if args.corrector_only and (args.stage != 2 or not args.init):
         p.error("--corrector-only trains the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
+    if args.correct_first_slot and args.stage != 2:
+        p.error("--correct-first-slot trains corrector scores, which stage 1 leaves at zero: use it with --stage 2")
     for name, default in NEW_DRAFTER.items():
         if not args.init and getattr(args, name) is None:
             setattr(args, name, default)
@@ -78,6 +83,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(target_path).eval().requires_grad_(False)
     if args.init:
         drafter = DCOCODrafter.from_pretrained(args.init).attach(target)
+        drafter.config.correct_first_slot |= args.correct_first_slot
     elif args.stage == 2:
         raise SystemExit("--stage 2 starts from a stage-1 drafter: pass --init runs/stage1/final")
     else:
@@ -117,7 +123,8 @@ def main() -> None:
     cfg = drafter.config  # with --init, the architecture comes from that folder, not from the arguments
     summary = {"stage": args.stage, "wall_seconds": time.time() - start, "records": len(records),
                "drafter": {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
-                           "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids},
+                           "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids,
+                           "correct_first_slot": cfg.correct_first_slot},
                "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:]}
     (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
 

@@ -75,7 +75,8 @@ def exact_distribution(target, setting: dict) -> np.ndarray:
         log_prob += step.log_softmax(-1).double().gather(1, continuations[:, i : i + 1]).squeeze(1)
     probs = log_prob.exp().numpy()
     assert abs(probs.sum() - 1.0) < 1e-6
-    return probs
+    # Rounding may leave the sum a hair above 1, which numpy's multinomial refuses (seen with 1 thread).
+    return probs / probs.sum()
 
 
 def histogram(sequences: torch.LongTensor) -> np.ndarray:

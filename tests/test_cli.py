@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import _FITTED, VOCAB, fit_drafter, make_target
+from conftest import _FITTED, VOCAB, fit_drafter, make_target, scrambled
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -116,10 +116,10 @@ def test_bench_greedy_is_exact_and_stats_are_sane(bench_run):
         summary = methods[name]
         assert summary["equal_to_vanilla"] == 1.0, name
         assert summary["tau"] >= 1.0 and summary["speedup"] > 0
-    for name in ("dflash", "dcoco", "dcoco-viterbi", "dcoco-geometric"):
+    for name in ("dflash", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"):
         assert len(methods[name]["per_slot_accept"]) == 7  # block 8 = 7 drafted slots
         assert all(key.isdigit() for key in methods[name]["accept_hist"])
-    for name in ("dcoco", "dcoco-viterbi", "dcoco-geometric"):
+    for name in ("dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"):
         summary = methods[name]
         assert len(summary["coverage_top1"]) == len(summary["coverage_topk"]) == 7
         assert all(t1 <= tk for t1, tk in zip(summary["coverage_top1"], summary["coverage_topk"]) if t1 is not None)
@@ -191,6 +191,35 @@ def test_forward_trace_agrees_with_dcoco_stats(tiny):
         assert trace.slot_proposed == stats.slot_proposed and trace.slot_accepted == stats.slot_accepted
         accepted += sum(trace.accepted)
     assert accepted > 0  # not vacuous: drafts were accepted
+
+
+def test_dcoco_paper_method_keeps_slot_1_at_the_drafter_argmax(tiny, monkeypatch):
+    """On a drafter with `correct_first_slot`, "dcoco" re-selects slot 1 and "dcoco-paper" (the paper's walk) never
+    does; each call leaves the drafter's config as it was."""
+    target = AutoModelForCausalLM.from_pretrained(tiny.root / "target").eval()
+    drafter = scrambled(DCOCODrafter.from_pretrained(tiny.root / "drafter").eval().attach(target), seed=3)
+    drafter.config.correct_first_slot = True
+    first_slot_choices = []
+    propose = drafter.propose
+
+    def recording(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        first_slot_choices.append(int(proposal.chosen[0, 0]))
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    runner = MethodRunner(target, drafter, BenchSettings(max_new_tokens=40))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    picks = {}
+    for method in ("dcoco-paper", "dcoco"):
+        first_slot_choices.clear()
+        record = runner.run(method, "random", 0, ids)
+        picks[method] = list(first_slot_choices)
+        assert record.output == runner.run("vanilla", "random", 0, ids).output
+        assert drafter.config.correct_first_slot and drafter.config.selection == "greedy"
+    runner.close()
+    assert picks["dcoco-paper"] and not any(picks["dcoco-paper"])
+    assert any(picks["dcoco"]), picks
 
 
 def test_bench_block_size_and_static_cache(tiny):

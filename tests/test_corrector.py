@@ -45,18 +45,22 @@ def _propose(drafter, sequences, states, cut: int, **kwargs):
     return drafter.propose(sequences[:, cut - 1], states[:, : cut - 1], positions, DraftContextCache(), **kwargs)
 
 
+@pytest.mark.parametrize("first_slot", [False, True], ids=["paper", "correct_first_slot"])
 @pytest.mark.parametrize("arch", ["llama"], indirect=True)
-def test_fresh_corrector_reproduces_dflash_argmax(fitted):
-    """A new corrector (zero output layer) on a fitted drafter proposes exactly the DFlash argmax, for every walk."""
+def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
+    """A new corrector (zero output layer) on a fitted drafter proposes exactly the DFlash argmax, for every walk,
+    also when it scores the anchor -> slot 1 transitions."""
     target, trained = fitted
     drafter = copy.deepcopy(trained).attach(target)
     cfg = drafter.config
+    cfg.correct_first_slot = first_slot
     drafter.corrector = DCOCOCorrector(cfg.hidden_size, cfg.corrector_rank, cfg.corrector_hidden)
     assert not drafter.corrector.delta_out.weight.any() and not drafter.corrector.delta_out.bias.any()
-    noisy = scrambled(trained, seed=1)
+    noisy = scrambled(drafter, seed=1)
 
     sequences, states = _contexts(target, drafter)
     changed = {selection: 0 for selection in SELECTIONS}
+    first_changed = {selection: 0 for selection in SELECTIONS}  # proposals whose slot 1 is not the argmax
     noisy_tokens: dict[str, list[torch.Tensor]] = {}
     total = 0
     for cut in range(2, sequences.shape[1] - 1, 2):
@@ -73,19 +77,25 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted):
             # With Delta = 0 the scores are the successor's logits, so every walk picks each slot's argmax.
             scores, first = corrected.transition_scores, corrected.candidate_logits[:, 0]
             assert torch.equal(scores, corrected.candidate_logits[:, 1:, None, :].expand_as(scores))
+            assert (corrected.first_slot_scores is not None) == first_slot
+            if first_slot:
+                assert torch.equal(corrected.first_slot_scores, first)
             for lam in (1.0, cfg.geometric_lambda, 0.05):
                 assert not viterbi_walk(scores, first, decay=lam).any()
             # A corrector that does overrule the drafter: the comparison above can fail, and each selection is the
             # walk it names, applied to the scores of that very proposal.
             overruled = _propose(noisy, sequences, states, cut, selection=selection)
-            walked = select_candidates(selection, overruled.transition_scores, overruled.candidate_logits[:, 0],
-                                       cfg.geometric_lambda)
+            first_scores = overruled.first_slot_scores if first_slot else overruled.candidate_logits[:, 0]
+            walked = select_candidates(selection, overruled.transition_scores, first_scores, cfg.geometric_lambda)
+            first_changed[selection] += int(walked[:, 0].bool().sum())
             assert torch.equal(overruled.chosen, walked)
             assert torch.equal(overruled.tokens, overruled.candidates.gather(-1, walked[..., None]).squeeze(-1))
             changed[selection] += int((overruled.tokens != plain.tokens).sum())
             noisy_tokens.setdefault(selection, []).append(overruled.tokens)
     assert total >= 100
     assert all(count > 0.1 * total for count in changed.values()), (changed, total)
+    # The paper's greedy walk never leaves the drafter's slot 1; scored from the anchor, it does.
+    assert (first_changed["greedy"] > 0) == first_slot, first_changed
     greedy, viterbi = torch.cat(noisy_tokens["greedy"]), torch.cat(noisy_tokens["viterbi"])
     assert not torch.equal(greedy, viterbi)  # the walks differ, so the checks above tell them apart
 
@@ -125,6 +135,40 @@ def test_batched_scores_equal_naive_concatenation():
         naive[b, p, a, n] = logits[b, p + 1, n] + delta.squeeze()
     assert (naive - logits[:, 1:, None, :]).abs().min() > 1e-6  # Delta really is non-zero everywhere
     torch.testing.assert_close(batched, naive, rtol=1e-10, atol=1e-10)
+
+
+def test_first_slot_scores_equal_naive_concatenation():
+    """S_0(anchor, b) is the pair formula with the anchor as a one-candidate predecessor whose logit input is 0."""
+    torch.manual_seed(1)
+    hidden, rank, mlp, batch, k = 12, 5, 7, 3, 4
+    c = DCOCOCorrector(hidden, rank, mlp).double()
+    with torch.no_grad():
+        for param in c.parameters():
+            param.copy_(torch.randn(param.shape, dtype=torch.float64))
+    anchor_hidden, first_hidden = torch.randn(2, batch, hidden, dtype=torch.float64) * 3
+    anchor_embed = torch.randn(batch, hidden, dtype=torch.float64) * 0.1
+    embeds = torch.randn(batch, k, hidden, dtype=torch.float64) * 0.1
+    logits = torch.randn(batch, k, dtype=torch.float64) * 4
+    got = c.first_slot_scores(anchor_hidden, anchor_embed, first_hidden, embeds, logits)
+    assert got.shape == (batch, k)
+
+    first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
+
+    def z(embed, h):
+        cand = F.layer_norm(c.cand_proj.weight @ embed, (rank,))
+        ctx = F.layer_norm(c.ctx_proj.weight @ h, (rank,))
+        fused = c.fuse_proj.weight @ torch.cat([cand, ctx])
+        return F.layer_norm(fused, (rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
+
+    naive = torch.empty_like(got)
+    for b, n in itertools.product(range(batch), range(k)):
+        s_0 = c.pair_proj.weight @ torch.cat([anchor_hidden[b], first_hidden[b]])
+        x = torch.cat([s_0, z(anchor_embed[b], anchor_hidden[b]), z(embeds[b, n], first_hidden[b]),
+                       torch.zeros(1, dtype=torch.float64), logits[b, n, None]])
+        delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
+        naive[b, n] = logits[b, n] + delta.squeeze()
+    assert (naive - logits).abs().min() > 1e-6
+    torch.testing.assert_close(got, naive, rtol=1e-10, atol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------------- walks
@@ -185,6 +229,14 @@ def test_walks_on_hand_built_tables():
     assert viterbi_walk(scores2, first2).tolist() == [[1, 0, 0]]
     # A small lambda does not protect slot 1: the first transition always has weight 1 in the geometric walk.
     assert viterbi_walk(scores2, first2, decay=0.05).tolist() == [[1, 0, 0]]
+
+    # Scored from the anchor (correct_first_slot), the greedy walk starts where those scores say, then goes on
+    # from that choice; the drafter's own sorted logits start it at candidate 0, as without them.
+    assert prefix_first_walk(scores2, torch.tensor([[0.0, 1.0]])).tolist() == [[1, 0, 0]]
+    assert prefix_first_walk(scores2, first2).tolist() == [[0, 0, 0]]
+    assert select_candidates("greedy", scores2, torch.tensor([[0.0, 1.0]]), 0.75).tolist() == [[1, 0, 0]]
+    # Blocks of 2 have no slot pair: only the anchor -> slot 1 scores choose.
+    assert prefix_first_walk(torch.zeros(1, 0, 2, 2), torch.tensor([[0.0, 1.0]])).tolist() == [[1]]
 
     # Both tables in one batch: rows are walked independently.
     batch_scores, batch_first = torch.cat([scores, scores2]), torch.cat([first, first2])

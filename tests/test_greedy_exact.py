@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import PROMPT_LEN, scrambled
@@ -114,9 +116,10 @@ def test_selection_walks_are_lossless(fitted):
     noisy = scrambled(drafter, seed=5)
     ids = _prompt(400, 6, target.config.vocab_size)
     expected = target.generate(ids, max_new_tokens=25, do_sample=False).tolist()
-    for selection in ("viterbi", "geometric"):
-        noisy.config.selection = selection
-        assert target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=noisy).tolist() == expected
+    for selection, first_slot in itertools.product(("greedy", "viterbi", "geometric"), (False, True)):
+        noisy.config.selection, noisy.config.correct_first_slot = selection, first_slot
+        got = target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=noisy)
+        assert got.tolist() == expected, (selection, first_slot)
 
 
 def test_transformers_dflash_path_same_weights(fitted):

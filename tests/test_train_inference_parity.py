@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import scrambled
 
 from dcoco_hf import speculative_generate
 from dcoco_hf.training import pack_blocks, target_context
@@ -17,20 +18,25 @@ from dcoco_hf.training import pack_blocks, target_context
 
 @pytest.mark.parametrize("path", ["assisted", "batched"])
 def test_drafted_blocks_equal_the_training_forward(fitted, path, monkeypatch):
-    target, drafter = fitted
+    target, fitted_drafter = fitted
+    # A corrector that overrules the drafter, scoring the anchor -> slot 1 transitions too: its scores must also
+    # be the training forward's, and the outputs stay the target's own.
+    drafter = scrambled(fitted_drafter, seed=2)
     cfg = drafter.config
-    drafted = []  # (anchor position, context rows the drafter holds, candidate logits [S, K]) per cycle
+    cfg.correct_first_slot = True
+    drafted = []  # (anchor position, context rows the drafter holds, proposal) per cycle
     propose = drafter.propose
 
     def recording(anchor_ids, context_hidden_states, position_ids, cache, *args, **kwargs):
         seen = cache.get_seq_length() + context_hidden_states.shape[1]
         proposal = propose(anchor_ids, context_hidden_states, position_ids, cache, *args, **kwargs)
-        drafted.append((int(position_ids[0, -cfg.block_size]), seen, proposal.candidate_logits[0]))
+        drafted.append((int(position_ids[0, -cfg.block_size]), seen, proposal))
         return proposal
 
     monkeypatch.setattr(drafter, "propose", recording)
     ids = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     common = dict(max_new_tokens=40, do_sample=False)
+    plain = target.generate(ids, **common)
     if path == "assisted":
         out = target.generate(ids, assistant_model=drafter, **common)
         # transformers asks for the first draft before its prefill: that block is drafted from the anchor alone.
@@ -38,8 +44,10 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, monkeypatch):
         drafted = drafted[1:]
     else:
         out = speculative_generate(target, ids, drafter=drafter, **common).sequences
+    assert torch.equal(out, plain)
     assert len(drafted) >= 3
     assert [seen for _, seen, _ in drafted] == [anchor for anchor, _, _ in drafted]  # all rows before the anchor
+    assert any(proposal.chosen[0, 0] != 0 for _, _, proposal in drafted)  # slot 1 was re-selected
 
     states, argmax = target_context(target, cfg.target_layer_ids, out)
     anchors = torch.tensor([[anchor for anchor, _, _ in drafted]])  # [1, m]
@@ -48,6 +56,10 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, monkeypatch):
                          cfg.block_size, cfg.mask_token_id)
     with torch.no_grad():
         hidden = drafter(drafter.embed(blocks.block_ids), states, blocks.position_ids, blocks.attention_mask)
-        slot_hidden = hidden.last_hidden_state.view(anchors.shape[1], cfg.block_size, -1)[:, 1:]  # [m, S, H]
-        trained = drafter.proposal_logits(slot_hidden)[0].topk(cfg.top_k, dim=-1).values  # [m, S, K]
-    torch.testing.assert_close(torch.stack([logits for _, _, logits in drafted]), trained, atol=1e-4, rtol=1e-4)
+        block_hidden = hidden.last_hidden_state.view(anchors.shape[1], cfg.block_size, -1)  # [m, block, H]
+        logits, candidates = drafter.proposal_logits(block_hidden[:, 1:])[0].topk(cfg.top_k, dim=-1)  # [m, S, K]
+        first = drafter.first_slot_scores(block_hidden, blocks.block_ids.view(-1, cfg.block_size)[:, 0],
+                                          candidates, logits)  # [m, K]
+    close = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack([p.candidate_logits[0] for _, _, p in drafted]), logits, **close)
+    torch.testing.assert_close(torch.stack([p.first_slot_scores[0] for _, _, p in drafted]), first, **close)

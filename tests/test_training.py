@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.training import pack_blocks, sample_anchors, target_context, transition_labels
 from dcoco_hf.training.data import cache_target_features, load_shards
-from dcoco_hf.training.objective import successor_accuracy
+from dcoco_hf.training.objective import drafter_loss, successor_accuracy
 from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 
@@ -327,3 +327,31 @@ def test_self_instruct_exercises_skip_names_of_an_excluded_folder(monkeypatch):
     earlier = data.HUMANEVAL_TEMPLATE.format(prompt='def area(r):\n    """The area of a circle of radius r."""\n')
     prompts = data.self_instruct_exercises(None, None, count=2, batch_size=2, max_asks=2, exclude=[earlier])
     assert [p.split("\n")[2] for p in prompts] == ["def shout(text):"]
+
+
+def test_first_slot_training_teaches_the_corrector_to_re_select_slot_1(tmp_path):
+    """Blocks of 2 have no slot pair, so with `correct_first_slot` the anchor -> slot 1 loss is the corrector's only
+    signal: it starts at the drafter's pick (zero output layer) and learns to beat it on the records it sees."""
+    target = make_target("llama")
+    drafter = fit_drafter(target, block_size=2, top_k=4, steps=40)
+    records = _records(target)
+    ids = torch.stack([r["input_ids"] for r in records]).long()
+    mask = torch.stack([r["loss_mask"] for r in records])
+    states, argmax = target_context(target, drafter.config.target_layer_ids, ids)
+
+    def first_slot_accuracy():
+        with torch.no_grad():
+            return drafter_loss(drafter, ids, mask, states, argmax, num_anchors=30).first_slot_accuracy
+
+    assert first_slot_accuracy() is None  # the paper's corrector does not touch slot 1
+    drafter.config.correct_first_slot = True
+    drafter_before, corrector_before = first_slot_accuracy()
+    assert drafter_before == corrector_before < 0.9
+    model = DrafterTrainingModel(drafter, target, stage=2, num_anchors=8, corrector_only=True)
+    model._records = records
+    trainer = _trainer(model, tmp_path, steps=30)
+    trainer.train()
+    assert any("first_slot_corrector_acc" in entry for entry in trainer.state.log_history)
+    drafter_after, corrector_after = first_slot_accuracy()
+    assert drafter_after == drafter_before  # corrector-only: the backbone and its top-1 are unchanged
+    assert corrector_after > drafter_after + 0.05, (drafter_after, corrector_after)

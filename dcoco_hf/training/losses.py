@@ -122,6 +122,17 @@ def dflash_loss(
     return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
 
 
+def candidate_index(
+    candidates: torch.LongTensor, tokens: torch.LongTensor, label_mask: torch.BoolTensor
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Position of each label token inside its slot's top-K, and whether it is there (and labelled).
+
+    candidates [..., K]; tokens / label_mask [...].
+    """
+    hits = candidates == tokens[..., None]  # [..., K]
+    return hits.float().argmax(-1), hits.any(-1) & label_mask
+
+
 def transition_labels(
     candidates: torch.LongTensor, argmax_tokens: torch.LongTensor, label_mask: torch.BoolTensor
 ) -> tuple[torch.LongTensor, torch.BoolTensor]:
@@ -130,13 +141,9 @@ def transition_labels(
     candidates [..., S, K]; argmax_tokens [..., S] the target's argmax at each slot under teacher forcing.
     A pair is usable only if both tokens are inside their slots' top-K (the walk cannot choose anything else).
     """
-    hits = candidates == argmax_tokens[..., None]  # [..., S, K]
-    found = hits.any(-1)
-    index = hits.float().argmax(-1)  # position inside the top-K
-    k = candidates.shape[-1]
-    pair_index = index[..., :-1] * k + index[..., 1:]
-    usable = found[..., :-1] & found[..., 1:] & label_mask[..., :-1] & label_mask[..., 1:]
-    return pair_index, usable
+    index, found = candidate_index(candidates, argmax_tokens, label_mask)  # [..., S]
+    pair_index = index[..., :-1] * candidates.shape[-1] + index[..., 1:]
+    return pair_index, found[..., :-1] & found[..., 1:]
 
 
 def dcoco_loss(
@@ -150,3 +157,9 @@ def dcoco_loss(
     ce = F.cross_entropy(flat.flatten(0, -2), pair_index.flatten(), reduction="none").view_as(pair_index.float())
     weights = slot_weights(transition_scores.shape[-3] + 1, rho, flat.device) * usable
     return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+
+
+def first_slot_loss(first_slot_scores: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
+    """Cross-entropy over the K anchor -> slot 1 transitions (`correct_first_slot`): the anchor is certain, so the
+    joint softmax of its pair has one row. first_slot_scores [R, K], index [R] of the target's token in the top-K."""
+    return F.cross_entropy(first_slot_scores.float(), index)

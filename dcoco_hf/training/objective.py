@@ -10,7 +10,16 @@ from dataclasses import dataclass
 import torch
 
 from ..candidate_generator import TargetTap
-from .losses import dcoco_loss, default_gamma, dflash_loss, pack_blocks, sample_anchors, transition_labels
+from .losses import (
+    candidate_index,
+    dcoco_loss,
+    default_gamma,
+    dflash_loss,
+    first_slot_loss,
+    pack_blocks,
+    sample_anchors,
+    transition_labels,
+)
 
 
 @dataclass
@@ -22,6 +31,9 @@ class DrafterLoss:
     # Stage 2, over usable pairs (both true tokens in the top-K), given the true predecessor: how often the true
     # successor is the drafter's top-1, and how often it is the corrector's best successor (what the walk picks).
     successor_accuracy: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With `correct_first_slot`, over blocks whose slot-1 token is in the top-K: how often it is the drafter's
+    # top-1, and how often it is the corrector's best successor of the anchor.
+    first_slot_accuracy: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -69,7 +81,8 @@ def drafter_loss(
     hidden = drafter(
         drafter.embed(blocks.block_ids), context_states, blocks.position_ids, blocks.attention_mask
     ).last_hidden_state
-    slot_hidden = hidden.view(n, m, cfg.block_size, -1)[:, :, 1:]  # [N, m, S, H]
+    block_hidden = hidden.view(n, m, cfg.block_size, -1)  # [N, m, B, H]
+    slot_hidden = block_hidden[:, :, 1:]  # [N, m, S, H]
     # The softmax runs over exactly the tokens the drafter may propose (its draft vocabulary, if it has one), as
     # `propose` ranks them; a label outside it can never be proposed, so it teaches nothing and is dropped.
     columns = drafter.draft_columns(blocks.labels)  # [N, m, S] label -> logit column (-1: not proposable)
@@ -104,8 +117,22 @@ def drafter_loss(
     )  # [R, S-1, K, K]
     pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
     stage2 = dcoco_loss(scores, pair_index, usable, rho)
+    first_accuracy = None
+    if cfg.correct_first_slot:
+        index, found = candidate_index(candidates[:, :, 0], blocks.labels[:, :, 0], labelled[:, :, 0])  # [N, m]
+        if found.any():
+            anchor_ids = blocks.block_ids.view(n, m, cfg.block_size)[:, :, 0]
+            first_scores = drafter.first_slot_scores(
+                block_hidden[found], anchor_ids[found], candidates[found], candidate_logits[found]
+            )  # [F, K]
+            stage2 = stage2 + first_slot_loss(first_scores, index[found])
+            with torch.no_grad():
+                first_accuracy = (
+                    (index[found] == 0).float().mean(), (first_scores.argmax(-1) == index[found]).float().mean()
+                )
     return DrafterLoss(
-        stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(scores, pair_index, usable)
+        stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(scores, pair_index, usable),
+        first_accuracy,
     )
 
 

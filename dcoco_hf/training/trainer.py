@@ -57,7 +57,7 @@ class DrafterTrainingModel(nn.Module):
         )
         return {
             "loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy,
-            "successor_accuracy": out.successor_accuracy,
+            "successor_accuracy": out.successor_accuracy, "first_slot_accuracy": out.first_slot_accuracy,
         }
 
 
@@ -105,6 +105,10 @@ class DrafterTrainer(Trainer):
             if outputs["successor_accuracy"] is not None:  # the corrector's repairs: compare the two
                 parts["successor_drafter_acc"], parts["successor_corrector_acc"] = map(
                     float, outputs["successor_accuracy"]
+                )
+            if outputs["first_slot_accuracy"] is not None:  # correct_first_slot: the same comparison at slot 1
+                parts["first_slot_drafter_acc"], parts["first_slot_corrector_acc"] = map(
+                    float, outputs["first_slot_accuracy"]
                 )
             self._parts = parts
         return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
