@@ -41,6 +41,8 @@ class DCOCOConfig(PreTrainedConfig):
             "viterbi" (best global path, paper's control) or "geometric" (global path with transitions weighted by
             `geometric_lambda ** p`, paper's second control).
         geometric_lambda: decay of the geometric walk.
+        correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
+            extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
         draft_vocab_size: when set, the drafter proposes only from this many target tokens (a frequency-ranked
             draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
@@ -75,6 +77,7 @@ class DCOCOConfig(PreTrainedConfig):
     corrector_hidden: int = 256
     selection: str = "greedy"
     geometric_lambda: float = 0.75
+    correct_first_slot: bool = False
     draft_vocab_size: int | None = None
 
     def __init__(
@@ -103,6 +106,7 @@ class DCOCOConfig(PreTrainedConfig):
         corrector_hidden: int = 256,
         selection: str = "greedy",
         geometric_lambda: float = 0.75,
+        correct_first_slot: bool = False,
         draft_vocab_size: int | None = None,
         layer_types: list[str] | None = None,
         dflash_config: dict[str, Any] | None = None,
@@ -138,6 +142,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.corrector_hidden = corrector_hidden
         self.selection = selection
         self.geometric_lambda = geometric_lambda
+        self.correct_first_slot = bool(correct_first_slot)
         self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
         # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.

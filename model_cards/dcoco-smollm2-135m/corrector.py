@@ -14,6 +14,13 @@ top-16 covers 0.755), so DCOCO re-selects instead of re-generating:
 5. prefix-first walk: slot 1 keeps the drafter argmax, then k_{p+1} = argmax_b S_p(k_p, b), because verification
    stops at the first error and a good late slot cannot pay for a bad early one.
 
+Our one extension (`DCOCOConfig.correct_first_slot`, off by default): the anchor is the block's position 0 and its
+token is known, so it is a predecessor with a single candidate, and the same Delta scores the anchor -> slot 1
+transitions S_0(anchor, b) = l_1(b) + Delta([s_0; z_0; z_1^b; 0; l_1(b)]) (s_0 pairs the anchor's drafter hidden
+with slot 1's, z_0 is the anchor token's representation, and the anchor has no drafter logit). The walk then starts
+from argmax_b S_0 instead of the drafter argmax. With short blocks most of the top-K headroom sits at slot 1, which
+the paper's walk cannot touch; a zero Delta still returns the drafter's argmax.
+
 The first layer of Delta is stored as four linear maps, one per input group ([s_p], [z_p^a], [z_{p+1}^b],
 [l_p(a), l_{p+1}(b)]). That is the same 3r+2 -> hidden affine map with the same parameter count, but the batched op
 then costs O(P K hidden) for the projections plus one broadcast add, instead of a matmul over P K^2 concatenated rows.
@@ -77,25 +84,66 @@ class DCOCOCorrector(nn.Module):
         logits = candidate_logits.to(slot_hidden.dtype)
         z = self.candidate_representations(candidate_embeds, slot_hidden)  # [B, S, K, r]
         pair = self.pair_proj(torch.cat([slot_hidden[:, :-1], slot_hidden[:, 1:]], dim=-1))  # [B, P, r]
-        prev_logit = logits[:, :-1].unsqueeze(-1)  # [B, P, K, 1]
-        next_logit = logits[:, 1:].unsqueeze(-1)  # [B, P, K, 1]
+        return self._transition_scores(pair, z[:, :-1], z[:, 1:], logits[:, :-1], logits[:, 1:])
+
+    def first_slot_scores(
+        self,
+        anchor_hidden: torch.Tensor,
+        anchor_embeds: torch.Tensor,
+        slot_hidden: torch.Tensor,
+        candidate_embeds: torch.Tensor,
+        candidate_logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Anchor -> slot 1 transition scores S_0(anchor, b) (`correct_first_slot`), by the same Delta.
+
+        Args:
+            anchor_hidden: [B, H] drafter hidden at the anchor position (block position 0).
+            anchor_embeds: [B, H] target embedding of the anchor token.
+            slot_hidden: [B, H] drafter hidden of slot 1.
+            candidate_embeds: [B, K, H] target embeddings of slot 1's candidates.
+            candidate_logits: [B, K] their drafter logits.
+        Returns:
+            [B, K] scores of slot 1's candidates after the anchor.
+        """
+        logits = candidate_logits.to(slot_hidden.dtype)[:, None]  # [B, 1, K]
+        z_anchor = self.candidate_representations(anchor_embeds[:, None, None], anchor_hidden[:, None])  # [B,1,1,r]
+        z_first = self.candidate_representations(candidate_embeds[:, None], slot_hidden[:, None])  # [B, 1, K, r]
+        pair = self.pair_proj(torch.cat([anchor_hidden, slot_hidden], dim=-1))[:, None]  # [B, 1, r]
+        # The anchor is certain and has no drafter logit: its logit input is 0.
+        scores = self._transition_scores(pair, z_anchor, z_first, torch.zeros_like(logits[..., :1]), logits)
+        return scores[:, 0, 0]  # [B, K]
+
+    def _transition_scores(
+        self,
+        pair: torch.Tensor,
+        z_prev: torch.Tensor,
+        z_next: torch.Tensor,
+        prev_logits: torch.Tensor,
+        next_logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """l_{p+1}(b) + Delta for pair states [B, P, r], predecessors [B, P, Ka, r] / [B, P, Ka] and successors
+        [B, P, Kb, r] / [B, P, Kb] -> [B, P, Ka, Kb]."""
         w = self.delta_logits.weight  # [hidden, 2]
         hidden = (
             self.delta_pair(pair)[:, :, None, None, :]  # [B, P, 1, 1, hidden]
-            + (self.delta_prev(z[:, :-1]) + prev_logit * w[:, 0])[:, :, :, None, :]  # [B, P, K, 1, hidden]
-            + (self.delta_next(z[:, 1:]) + next_logit * w[:, 1])[:, :, None, :, :]  # [B, P, 1, K, hidden]
+            + (self.delta_prev(z_prev) + prev_logits[..., None] * w[:, 0])[:, :, :, None, :]  # [B, P, Ka, 1, hidden]
+            + (self.delta_next(z_next) + next_logits[..., None] * w[:, 1])[:, :, None, :, :]  # [B, P, 1, Kb, hidden]
         )
-        delta = self.delta_out(F.gelu(hidden)).squeeze(-1)  # [B, P, K, K]
-        return logits[:, 1:, None, :] + delta
+        delta = self.delta_out(F.gelu(hidden)).squeeze(-1)  # [B, P, Ka, Kb]
+        return next_logits[:, :, None, :] + delta
 
 
-def prefix_first_walk(transition_scores: torch.Tensor) -> torch.Tensor:
+def prefix_first_walk(transition_scores: torch.Tensor, first_slot_scores: torch.Tensor | None = None) -> torch.Tensor:
     """The paper's walk: slot 1 takes the drafter argmax (candidate 0), then the best successor of the chosen one.
 
-    transition_scores: [B, P, K, K] -> chosen candidate index per slot [B, P + 1].
+    transition_scores: [B, P, K, K] -> chosen candidate index per slot [B, P + 1]. first_slot_scores [B, K], when
+    given, picks slot 1 instead (the anchor -> slot 1 scores of `correct_first_slot`; the drafter's own sorted
+    logits pick candidate 0, as without them).
     """
     batch, pairs, k, _ = transition_scores.shape
     chosen = transition_scores.new_zeros((batch, pairs + 1), dtype=torch.long)
+    if first_slot_scores is not None:
+        chosen[:, 0] = first_slot_scores.argmax(-1)
     for p in range(pairs):
         rows = transition_scores[:, p].gather(1, chosen[:, p, None, None].expand(batch, 1, k)).squeeze(1)  # [B, K]
         chosen[:, p + 1] = rows.argmax(-1)
@@ -103,14 +151,15 @@ def prefix_first_walk(transition_scores: torch.Tensor) -> torch.Tensor:
 
 
 def viterbi_walk(
-    transition_scores: torch.Tensor, first_slot_logits: torch.Tensor, decay: float = 1.0
+    transition_scores: torch.Tensor, first_slot_scores: torch.Tensor, decay: float = 1.0
 ) -> torch.Tensor:
-    """Best global path: argmax over paths of l_1(k_1) + sum_p decay**p * S_p(k_p, k_{p+1}).
+    """Best global path: argmax over paths of s_1(k_1) + sum_p decay**p * S_p(k_p, k_{p+1}).
 
-    decay = 1 is the paper's "global-sum" control; decay < 1 its "geometric" control. first_slot_logits: [B, K].
+    decay = 1 is the paper's "global-sum" control; decay < 1 its "geometric" control. first_slot_scores [B, K]:
+    the drafter's slot-1 logits l_1, or the anchor -> slot 1 scores with `correct_first_slot`.
     """
     batch, pairs, k, _ = transition_scores.shape
-    best = first_slot_logits.to(transition_scores.dtype)  # [B, K] best path score ending at each candidate
+    best = first_slot_scores.to(transition_scores.dtype)  # [B, K] best path score ending at each candidate
     backptr = []
     for p in range(pairs):
         total = best[:, :, None] + (decay**p) * transition_scores[:, p]  # [B, K(prev), K(next)]
@@ -124,13 +173,16 @@ def viterbi_walk(
 
 
 def select_candidates(
-    selection: str, transition_scores: torch.Tensor, first_slot_logits: torch.Tensor, geometric_lambda: float
+    selection: str, transition_scores: torch.Tensor, first_slot_scores: torch.Tensor, geometric_lambda: float
 ) -> torch.Tensor:
-    """Dispatch to the configured walk; returns the chosen candidate index per slot [B, P + 1]."""
+    """Dispatch to the configured walk; returns the chosen candidate index per slot [B, P + 1].
+
+    first_slot_scores [B, K]: slot 1's drafter logits (the paper) or its anchor -> slot 1 scores.
+    """
     if selection == "greedy":
-        return prefix_first_walk(transition_scores)
+        return prefix_first_walk(transition_scores, first_slot_scores)
     if selection == "viterbi":
-        return viterbi_walk(transition_scores, first_slot_logits)
+        return viterbi_walk(transition_scores, first_slot_scores)
     if selection == "geometric":
-        return viterbi_walk(transition_scores, first_slot_logits, decay=geometric_lambda)
+        return viterbi_walk(transition_scores, first_slot_scores, decay=geometric_lambda)
     raise ValueError(f"selection={selection!r} is unknown; choose 'greedy', 'viterbi' or 'geometric'.")

@@ -137,6 +137,7 @@ class DraftProposal:
     candidate_logits: [B, S, K] their drafter logits.
     chosen: [B, S] index of the proposed token inside each slot's candidates.
     transition_scores: [B, S - 1, K, K] or None when the corrector was skipped.
+    first_slot_scores: [B, K] anchor -> slot 1 scores (`correct_first_slot`), else None.
     backbone_seconds / corrector_seconds: wall time of the backbone (+ lm_head, top-K) and of scoring + walk.
     """
 
@@ -145,6 +146,7 @@ class DraftProposal:
     candidate_logits: torch.Tensor
     chosen: torch.Tensor
     transition_scores: torch.Tensor | None
+    first_slot_scores: torch.Tensor | None
     backbone_seconds: float
     corrector_seconds: float
 
@@ -429,7 +431,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         kept = cache.get_seq_length() + context_hidden_states.shape[1]
         out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
         cache.truncate(kept)
-        slot_hidden = out.last_hidden_state[:, 1:]  # [B, S, H]
+        block_hidden = out.last_hidden_state  # [B, block, H]
+        slot_hidden = block_hidden[:, 1:]  # [B, S, H]
         logits, column_tokens = self.proposal_logits(slot_hidden)  # [B, S, V'] over the draft vocabulary
         candidate_logits, candidates = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)  # [B, S, K]
         if column_tokens is not None:
@@ -438,18 +441,39 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         backbone_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        scores = None
-        if correct and cfg.block_size > 2:
-            scores = self.corrector(slot_hidden, self.embed(candidates).to(slot_hidden.dtype), candidate_logits)
-            chosen = select_candidates(
-                selection or cfg.selection, scores.float(), candidate_logits[:, 0], cfg.geometric_lambda
-            )
+        scores = first_scores = None
+        if correct and (cfg.block_size > 2 or cfg.correct_first_slot):
+            candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
+            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits)  # [B, S - 1, K, K]
+            if cfg.correct_first_slot:
+                first_scores = self.first_slot_scores(block_hidden, anchor_ids, candidates, candidate_logits)
+            first = first_scores if first_scores is not None else candidate_logits[:, 0]
+            chosen = select_candidates(selection or cfg.selection, scores.float(), first.float(), cfg.geometric_lambda)
         else:
             chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
         tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
         sync()
         return DraftProposal(
-            tokens, candidates, candidate_logits, chosen, scores, backbone_seconds, time.perf_counter() - start
+            tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds,
+            time.perf_counter() - start,
+        )
+
+    def first_slot_scores(
+        self,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Anchor -> slot 1 transition scores (`correct_first_slot`), as drafting and training both compute them.
+
+        block_hidden [R, block, H] drafter output of each block, anchor_ids [R], candidates / candidate_logits
+        [R, S, K] -> [R, K].
+        """
+        dtype = block_hidden.dtype
+        return self.corrector.first_slot_scores(
+            block_hidden[:, 0], self.embed(anchor_ids).to(dtype), block_hidden[:, 1],
+            self.embed(candidates[:, 0]).to(dtype), candidate_logits[:, 0],
         )
 
     # ------------------------------------------------------------------ transformers assisted generation
