@@ -446,7 +446,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
             scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits)  # [B, S - 1, K, K]
             if cfg.correct_first_slot:
-                first_scores = self.first_slot_scores(block_hidden, anchor_ids, candidates, candidate_logits)
+                first_scores = self.first_slot_scores(
+                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits
+                )  # [B, K]
             first = first_scores if first_scores is not None else candidate_logits[:, 0]
             chosen = select_candidates(selection or cfg.selection, scores.float(), first.float(), cfg.geometric_lambda)
         else:
@@ -462,18 +464,19 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self,
         block_hidden: torch.Tensor,
         anchor_ids: torch.LongTensor,
-        candidates: torch.LongTensor,
+        first_candidate_embeds: torch.Tensor,
         candidate_logits: torch.Tensor,
     ) -> torch.Tensor:
         """Anchor -> slot 1 transition scores (`correct_first_slot`), as drafting and training both compute them.
 
-        block_hidden [R, block, H] drafter output of each block, anchor_ids [R], candidates / candidate_logits
+        block_hidden [R, block, H] drafter output of each block, anchor_ids [R], first_candidate_embeds [R, K, H]
+        the embeddings of slot 1's candidates (drafting has them already, for the slot pairs), candidate_logits
         [R, S, K] -> [R, K].
         """
         dtype = block_hidden.dtype
         return self.corrector.first_slot_scores(
             block_hidden[:, 0], self.embed(anchor_ids).to(dtype), block_hidden[:, 1],
-            self.embed(candidates[:, 0]).to(dtype), candidate_logits[:, 0],
+            first_candidate_embeds.to(dtype), candidate_logits[:, 0],
         )
 
     # ------------------------------------------------------------------ transformers assisted generation

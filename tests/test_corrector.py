@@ -103,36 +103,50 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
 # ---------------------------------------------------------------------------------------------------- scores
 
 
+def _random_corrector(hidden: int, rank: int, mlp: int) -> DCOCOCorrector:
+    """A float64 corrector whose every parameter (delta_out and the LayerNorm affine included) is random."""
+    corrector = DCOCOCorrector(hidden, rank, mlp).double()
+    with torch.no_grad():
+        for param in corrector.parameters():
+            param.copy_(torch.randn(param.shape, dtype=torch.float64))
+    return corrector
+
+
+def _naive_z(c: DCOCOCorrector, embed: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """z = LN_affine(W_fuse [LN(W_cand E[c]); LN(W_ctx h)]) for one candidate, straight from the paper."""
+    cand = F.layer_norm(c.cand_proj.weight @ embed, (c.rank,))
+    ctx = F.layer_norm(c.ctx_proj.weight @ h, (c.rank,))
+    fused = c.fuse_proj.weight @ torch.cat([cand, ctx])
+    return F.layer_norm(fused, (c.rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
+
+
+def _naive_score(c, h_prev, h_next, z_prev, z_next, l_prev, l_next) -> torch.Tensor:
+    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next]) on one concatenated row."""
+    first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
+    assert first_w.shape == (c.delta_pair.out_features, 3 * c.rank + 2)
+    s = c.pair_proj.weight @ torch.cat([h_prev, h_next])
+    x = torch.cat([s, z_prev, z_next, l_prev.reshape(1), l_next.reshape(1)])
+    assert x.shape == (3 * c.rank + 2,)
+    delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
+    return l_next + delta.squeeze()
+
+
 def test_batched_scores_equal_naive_concatenation():
     torch.manual_seed(0)
     hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
-    corrector = DCOCOCorrector(hidden, rank, mlp).double()
-    with torch.no_grad():
-        for param in corrector.parameters():  # delta_out and the LayerNorm affine included
-            param.copy_(torch.randn(param.shape, dtype=torch.float64))
+    c = _random_corrector(hidden, rank, mlp)
     slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
     embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
     logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
-    batched = corrector(slot_hidden, embeds, logits)
+    batched = c(slot_hidden, embeds, logits)
     assert batched.shape == (batch, slots - 1, k, k)
-
-    c = corrector
-    first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
-    assert first_w.shape == (mlp, 3 * rank + 2)
-
-    def z(b, i, a):  # z_i^a = LN_affine(W_fuse [LN(W_cand E[c]); LN(W_ctx h_i)])
-        cand = F.layer_norm(c.cand_proj.weight @ embeds[b, i, a], (rank,))
-        ctx = F.layer_norm(c.ctx_proj.weight @ slot_hidden[b, i], (rank,))
-        fused = c.fuse_proj.weight @ torch.cat([cand, ctx])
-        return F.layer_norm(fused, (rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
 
     naive = torch.empty_like(batched)
     for b, p, a, n in itertools.product(range(batch), range(slots - 1), range(k), range(k)):
-        s_p = c.pair_proj.weight @ torch.cat([slot_hidden[b, p], slot_hidden[b, p + 1]])
-        x = torch.cat([s_p, z(b, p, a), z(b, p + 1, n), logits[b, p, a, None], logits[b, p + 1, n, None]])
-        assert x.shape == (3 * rank + 2,)
-        delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
-        naive[b, p, a, n] = logits[b, p + 1, n] + delta.squeeze()
+        naive[b, p, a, n] = _naive_score(
+            c, slot_hidden[b, p], slot_hidden[b, p + 1], _naive_z(c, embeds[b, p, a], slot_hidden[b, p]),
+            _naive_z(c, embeds[b, p + 1, n], slot_hidden[b, p + 1]), logits[b, p, a], logits[b, p + 1, n],
+        )
     assert (naive - logits[:, 1:, None, :]).abs().min() > 1e-6  # Delta really is non-zero everywhere
     torch.testing.assert_close(batched, naive, rtol=1e-10, atol=1e-10)
 
@@ -141,10 +155,7 @@ def test_first_slot_scores_equal_naive_concatenation():
     """S_0(anchor, b) is the pair formula with the anchor as a one-candidate predecessor whose logit input is 0."""
     torch.manual_seed(1)
     hidden, rank, mlp, batch, k = 12, 5, 7, 3, 4
-    c = DCOCOCorrector(hidden, rank, mlp).double()
-    with torch.no_grad():
-        for param in c.parameters():
-            param.copy_(torch.randn(param.shape, dtype=torch.float64))
+    c = _random_corrector(hidden, rank, mlp)
     anchor_hidden, first_hidden = torch.randn(2, batch, hidden, dtype=torch.float64) * 3
     anchor_embed = torch.randn(batch, hidden, dtype=torch.float64) * 0.1
     embeds = torch.randn(batch, k, hidden, dtype=torch.float64) * 0.1
@@ -152,21 +163,12 @@ def test_first_slot_scores_equal_naive_concatenation():
     got = c.first_slot_scores(anchor_hidden, anchor_embed, first_hidden, embeds, logits)
     assert got.shape == (batch, k)
 
-    first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
-
-    def z(embed, h):
-        cand = F.layer_norm(c.cand_proj.weight @ embed, (rank,))
-        ctx = F.layer_norm(c.ctx_proj.weight @ h, (rank,))
-        fused = c.fuse_proj.weight @ torch.cat([cand, ctx])
-        return F.layer_norm(fused, (rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
-
     naive = torch.empty_like(got)
     for b, n in itertools.product(range(batch), range(k)):
-        s_0 = c.pair_proj.weight @ torch.cat([anchor_hidden[b], first_hidden[b]])
-        x = torch.cat([s_0, z(anchor_embed[b], anchor_hidden[b]), z(embeds[b, n], first_hidden[b]),
-                       torch.zeros(1, dtype=torch.float64), logits[b, n, None]])
-        delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
-        naive[b, n] = logits[b, n] + delta.squeeze()
+        naive[b, n] = _naive_score(
+            c, anchor_hidden[b], first_hidden[b], _naive_z(c, anchor_embed[b], anchor_hidden[b]),
+            _naive_z(c, embeds[b, n], first_hidden[b]), torch.zeros((), dtype=torch.float64), logits[b, n],
+        )
     assert (naive - logits).abs().min() > 1e-6
     torch.testing.assert_close(got, naive, rtol=1e-10, atol=1e-10)
 

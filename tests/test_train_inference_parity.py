@@ -59,7 +59,7 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, monkeypatch):
         block_hidden = hidden.last_hidden_state.view(anchors.shape[1], cfg.block_size, -1)  # [m, block, H]
         logits, candidates = drafter.proposal_logits(block_hidden[:, 1:])[0].topk(cfg.top_k, dim=-1)  # [m, S, K]
         first = drafter.first_slot_scores(block_hidden, blocks.block_ids.view(-1, cfg.block_size)[:, 0],
-                                          candidates, logits)  # [m, K]
+                                          drafter.embed(candidates[:, 0]), logits)  # [m, K]
     close = dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.stack([p.candidate_logits[0] for _, _, p in drafted]), logits, **close)
     torch.testing.assert_close(torch.stack([p.first_slot_scores[0] for _, _, p in drafted]), first, **close)

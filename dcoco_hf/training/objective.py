@@ -123,7 +123,8 @@ def drafter_loss(
         if found.any():
             anchor_ids = blocks.block_ids.view(n, m, cfg.block_size)[:, :, 0]
             first_scores = drafter.first_slot_scores(
-                block_hidden[found], anchor_ids[found], candidates[found], candidate_logits[found]
+                block_hidden[found], anchor_ids[found], drafter.embed(candidates[:, :, 0][found]),
+                candidate_logits[found],
             )  # [F, K]
             stage2 = stage2 + first_slot_loss(first_scores, index[found])
             with torch.no_grad():
