@@ -248,13 +248,15 @@ def _config_fields(drafter: DCOCODrafter | None, fields: dict[str, Any]) -> Iter
 
 
 def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
-    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the size it was configured with,
-    since a shorter block only drops trailing mask slots while a longer one would ask for slots it never learned."""
-    if not 2 <= block_size <= drafter.config.block_size:
+    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the largest it was trained on
+    (`config.max_block_size`, else `config.block_size`), since a longer block would ask for slots it never learned."""
+    largest = drafter.config.largest_block_size
+    if not 2 <= block_size <= largest:
         raise ValueError(
-            f"block size {block_size}: must lie in [2, {drafter.config.block_size}], the drafter's config.block_size. "
-            "A drafter predicts no slot beyond the blocks it was trained with; to draft longer blocks, raise "
-            "block_size in its config.json up to that size (its model card says which)"
+            f"block size {block_size}: must lie in [2, {largest}], the largest block this drafter was trained on "
+            "(config.max_block_size, else config.block_size). A drafter predicts no slot beyond the blocks it was "
+            "trained with; to draft longer blocks, raise block_size in its config.json up to that size (its model "
+            "card says which)"
         )
 
 

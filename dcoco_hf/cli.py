@@ -112,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     bench.add_argument("--block-size", type=int, default=None,
-                       help="draft block size for this run (anchor + B-1 drafted tokens); at most the drafter's "
-                       "config.block_size. A shorter block only drops trailing mask slots, which carry no "
-                       "token information, so the kept slots predict much as before; a longer one may ask for "
-                       "slots the drafter never learned, so it is refused. "
+                       help="draft block size for this run (anchor + B-1 drafted tokens); at most the largest "
+                       "block the drafter was trained on (config.max_block_size, else block_size). A shorter block "
+                       "only drops trailing mask slots, which carry no token information, so the kept slots "
+                       "predict much as before; a longer one may ask for slots the drafter never learned, so it "
+                       "is refused. "
                        "Useful where verifying a long block is expensive (CPU); to compare several, name them in "
                        "--methods (dcoco@3,dcoco@4).")
     bench.add_argument("--full-vocab", action="store_true",
@@ -311,12 +312,13 @@ def use_cpu_layout(
     args: argparse.Namespace, device: torch.device, *models: torch.nn.Module | None, batch: int = 1
 ) -> None:
     """On CPU, unless --plain-linear: the few-rows linear layout measured fastest on this machine for each model, so
-    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the drafter's block per sequence: a
-    verify forward has one block, the drafter's key/value projections the block plus the newly committed rows."""
+    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the drafter's largest block per
+    sequence: a verify forward has one block, the drafter's key/value projections the block plus the newly committed
+    rows."""
     if device.type != "cpu" or args.plain_linear:
         return
     drafter = next((m for m in models if isinstance(m, DCOCODrafter)), None)
-    max_rows = max(DEFAULT_MAX_ROWS, 2 * drafter.config.block_size * batch if drafter is not None else batch)
+    max_rows = max(DEFAULT_MAX_ROWS, 2 * drafter.config.largest_block_size * batch if drafter is not None else batch)
     for model in models:
         if model is not None:
             plan = use_few_rows_linear(model, max_rows=max_rows)

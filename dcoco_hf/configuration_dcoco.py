@@ -31,6 +31,8 @@ class DCOCOConfig(PreTrainedConfig):
         rms_norm_eps, rope_theta, rope_parameters, max_position_embeddings, attention_bias, attention_dropout:
             Qwen3-style decoder layers of the drafter backbone.
         block_size: tokens per draft block: the anchor (last committed token) plus `block_size - 1` mask slots.
+        max_block_size: the largest block the drafter was trained to draft, when training covered several sizes
+            (mixed horizons); benchmarks may then draft any size up to it. None: `block_size` is the largest.
         mask_token_id: token id whose (target) embedding fills the mask slots.
         target_layer_ids: 0-based target decoder layers whose outputs feed the drafter (`hidden_states[i + 1]`).
         num_target_layers: number of decoder layers of the target the drafter was built for.
@@ -69,6 +71,7 @@ class DCOCOConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     layer_types: list | None = None
     block_size: int = 16
+    max_block_size: int | None = None
     mask_token_id: int | None = None
     target_layer_ids: list | None = None
     num_target_layers: int | None = None
@@ -98,6 +101,7 @@ class DCOCOConfig(PreTrainedConfig):
         attention_dropout: float = 0.0,
         initializer_range: float = 0.02,
         block_size: int | None = None,
+        max_block_size: int | None = None,
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
         num_target_layers: int | None = None,
@@ -134,6 +138,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
         self.block_size = int(block_size)
+        self.max_block_size = max_block_size
         self.mask_token_id = mask_token_id
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         self.num_target_layers = num_target_layers
@@ -150,10 +155,19 @@ class DCOCOConfig(PreTrainedConfig):
         super().__init__(**kwargs)
         self.check_dcoco_fields()
 
+    @property
+    def largest_block_size(self) -> int:
+        """The longest block this drafter may draft: `max_block_size` if training covered longer blocks than
+        `block_size`, the one it drafts by default."""
+        return max(self.block_size, self.max_block_size or 0)
+
     def check_dcoco_fields(self) -> None:
         """Raise a ValueError naming the bad field and the fix."""
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
+        if self.max_block_size is not None and self.max_block_size < 2:
+            raise ValueError(f"max_block_size={self.max_block_size}: a block needs the anchor plus at least one mask "
+                             "slot (>= 2); use None when block_size is the largest trained block.")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}.")
         if not 0.0 < self.geometric_lambda <= 1.0:

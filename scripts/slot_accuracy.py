@@ -25,18 +25,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import chat_input_ids, load_default_target, suite_prompts
+from dcoco_hf.bench import check_block_size
 from dcoco_hf.training import drafter_loss, target_context
 from dcoco_hf.training.data import load_shards
 
 
 @torch.no_grad()
-def slot_accuracy(drafter: DCOCODrafter, input_ids: torch.LongTensor, loss_mask: torch.BoolTensor) -> torch.Tensor:
-    """Over every anchor of one sequence [1, T] (anchors before response tokens): top-1 accuracy per slot, then the
-    successor accuracy of the drafter and of the corrector given the true predecessor, then the same two at slot 1
-    after the anchor (NaN without `correct_first_slot`) -> [S + 4]."""
+def slot_accuracy(
+    drafter: DCOCODrafter, input_ids: torch.LongTensor, loss_mask: torch.BoolTensor, block_size: int | None = None
+) -> torch.Tensor:
+    """Over every anchor of one sequence [1, T] (anchors before response tokens), blocks of `block_size` (default:
+    the drafter's): top-1 accuracy per slot, then the successor accuracy of the drafter and of the corrector given
+    the true predecessor, then the same two at slot 1 after the anchor (NaN without `correct_first_slot`) -> [S + 4]."""
     states, argmax = target_context(drafter.target, drafter.config.target_layer_ids, input_ids)
     anchors = int(loss_mask.sum())
-    out = drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors)
+    out = drafter_loss(drafter, input_ids, loss_mask, states, argmax, num_anchors=anchors, block_size=block_size)
     first = out.first_slot_accuracy or (torch.tensor(float("nan")),) * 2
     return torch.cat([out.slot_accuracy, torch.stack(out.successor_accuracy), torch.stack(first)])
 
@@ -59,10 +62,18 @@ def main() -> None:
     parser.add_argument("--data", type=Path, nargs="+", required=True, help="training data folders (shard-*.pt)")
     parser.add_argument("--limit", type=int, default=5, help="records per data folder and prompts per suite")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="blocks to measure (default: the drafter's config.block_size; at most the largest it "
+                             "was trained on)")
     args = parser.parse_args()
 
     target, tokenizer = load_default_target()
     drafter = DCOCODrafter.from_pretrained(args.drafter).attach(target).eval()
+    if args.block_size is not None:
+        try:
+            check_block_size(drafter, args.block_size)
+        except ValueError as err:
+            parser.error(f"--block-size: {err}")
     sources = {
         f"train {folder}": (
             (r["input_ids"][None], r["loss_mask"][None].bool()) for r in load_shards(folder)[: args.limit]
@@ -76,7 +87,9 @@ def main() -> None:
           "top-K: drafter top-1, corrector" + (" | the same at slot 1 after the anchor" if first_slot else "")
           + " (mean over sequences)")
     for name, sequences in sources.items():
-        accuracy = torch.stack([slot_accuracy(drafter, ids, mask) for ids, mask in sequences]).nanmean(0).tolist()
+        accuracy = torch.stack(
+            [slot_accuracy(drafter, ids, mask, args.block_size) for ids, mask in sequences]
+        ).nanmean(0).tolist()
         line = f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy[:-4]) + " | {:.2f} {:.2f}".format(*accuracy[-4:-2])
         print(line + (" | {:.2f} {:.2f}".format(*accuracy[-2:]) if first_slot else ""))
 

@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--correct-first-slot", action="store_true",
                    help="stage 2: train (and ship) the anchor -> slot 1 transitions too, so the walk may re-select "
                         "slot 1 (config `correct_first_slot`; adds no weights, so it goes with --init)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                   help="train on these block sizes in turn (DScout's mixed horizons), so one checkpoint drafts each "
+                        "of them well; drafting still uses config block_size (default: train on that size alone)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -109,8 +112,11 @@ def main() -> None:
         disable_tqdm=False,
     )
     model = DrafterTrainingModel(
-        drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only
+        drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only,
+        block_sizes=args.block_sizes,
     )
+    if args.block_sizes and max(args.block_sizes) > drafter.config.block_size:
+        drafter.config.max_block_size = max(args.block_sizes)  # benchmarks may then draft up to it
     pad = target.generation_config.pad_token_id or 0
     trainer = DrafterTrainer(
         model=model, args=training_args, train_dataset=records,
@@ -122,6 +128,7 @@ def main() -> None:
     trainer.export_drafter(args.output / "final")
     cfg = drafter.config  # with --init, the architecture comes from that folder, not from the arguments
     summary = {"stage": args.stage, "wall_seconds": time.time() - start, "records": len(records),
+               "training_block_sizes": list(model.block_sizes),
                "drafter": {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
                            "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids,
                            "correct_first_slot": cfg.correct_first_slot},

@@ -259,10 +259,30 @@ def test_bench_compares_block_sizes_interleaved(tiny):
     assert "dcoco@5" in result.out
 
 
+def test_a_drafter_trained_on_longer_blocks_drafts_them_on_request(tiny):
+    """With mixed-horizon training, config.block_size is the default block and max_block_size the longest trained:
+    the bench drafts any size up to it, and nothing longer."""
+    folder = tiny.root / "mixed-drafter"
+    DCOCODrafter.from_pretrained(tiny.root / "drafter").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"block_size": 3, "max_block_size": 6}))
+    assert DCOCODrafter.from_pretrained(folder).config.largest_block_size == 6
+    args = ["bench", "--target", tiny.root / "target", "--drafter", folder, "--prompts", tiny.prompts, "--limit", 1]
+    result = run_cli(*args, "--max-new-tokens", 8, "--warmup", 0, "--methods", "vanilla,dcoco,dcoco@6",
+                     "--json", tiny.root / "mixed.json")
+    assert result.code == 0, result.err
+    report = json.loads((tiny.root / "mixed.json").read_text())
+    drafted = {name: len(report["methods"][name]["per_slot_accept"]) for name in ("dcoco", "dcoco@6")}
+    assert drafted == {"dcoco": 2, "dcoco@6": 5} and report["config"]["config_block_size"] == 3
+    assert set(report["config"]["few_rows_linear"]) == {str(rows) for rows in range(2, 13)}  # 2 x the largest block
+    refused = run_cli(*args, "--methods", "dcoco@7")
+    assert refused.code == 2 and "must lie in [2, 6]" in refused.err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--methods", "dcoco@9"], "must lie in [2, 8], the drafter's config.block_size"),
+        (["--methods", "dcoco@9"], "must lie in [2, 8], the largest block this drafter was trained on"),
         (["--methods", "vanilla@3"], "a block size suffix needs a drafter method"),
         (["--methods", "dcoco@1"], "a block of at least 2"),
         (["--methods", "dcoco@3", "--block-size", "4"], "use one or the other"),
@@ -349,7 +369,7 @@ def test_missing_default_drafter_says_pass_drafter(tiny, monkeypatch):
 
 def test_too_long_block_size_is_refused(tiny):
     result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--methods", "dcoco", "--block-size", 9)
-    assert result.code == 2 and "must lie in [2, 8], the drafter's config.block_size" in result.err
+    assert result.code == 2 and "must lie in [2, 8], the largest block this drafter was trained on" in result.err
 
 
 def test_missing_matplotlib_names_the_extra(tiny, monkeypatch):

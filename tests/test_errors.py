@@ -73,6 +73,12 @@ def test_target_layer_ids_out_of_range_in_config():
     assert DCOCOConfig(target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36).target_layer_ids[-1] == 33
 
 
+def test_max_block_size_below_a_block_is_refused():
+    with pytest.raises(ValueError, match=r"max_block_size=1: a block needs the anchor plus at least one mask slot"):
+        DCOCOConfig(block_size=4, max_block_size=1)
+    assert DCOCOConfig(block_size=4, max_block_size=3).largest_block_size == 4  # block_size is the longer one
+
+
 @pytest.mark.parametrize("kind", ["t5", "bart"])
 def test_encoder_decoder_target(drafter, kind):
     if kind == "t5":

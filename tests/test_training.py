@@ -355,3 +355,28 @@ def test_first_slot_training_teaches_the_corrector_to_re_select_slot_1(tmp_path)
     drafter_after, corrector_after = first_slot_accuracy()
     assert drafter_after == drafter_before  # corrector-only: the backbone and its top-1 are unchanged
     assert corrector_after > drafter_after + 0.05, (drafter_after, corrector_after)
+
+
+def test_mixed_horizons_train_each_block_size_in_turn_and_leave_the_drafting_size(tmp_path):
+    """DScout's mixed horizons: training forwards take the listed block sizes in turn; evaluation forwards and the
+    drafting size (config.block_size) stay as they were."""
+    target = make_target("qwen3")
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    with pytest.raises(ValueError, match="every size must be >= 2"):
+        DrafterTrainingModel(drafter, target, stage=2, block_sizes=[3, 1])
+    assert DrafterTrainingModel(drafter, target, stage=2).block_sizes == (4,)
+    model = DrafterTrainingModel(drafter, target, stage=2, num_anchors=4, block_sizes=[3, 5])
+    batch = DrafterCollator()(_records(target, n=4))
+    sizes = [model(**batch)["block_size"] for _ in range(3)]
+    model.eval()
+    with torch.no_grad():
+        evaluated = [model(**batch) for _ in range(2)]
+    assert sizes == [3, 5, 3] and [out["block_size"] for out in evaluated] == [5, 5]
+    assert evaluated[0]["slot_accuracy"].shape == (4,)  # 4 mask slots: the forward really used blocks of 5
+    assert drafter.config.block_size == 4
+
+    model.train()
+    model._records = _records(target)
+    trainer = _trainer(model, tmp_path, steps=2)
+    trainer.train()
+    assert [entry["block_size"] for entry in trainer.state.log_history if "loss" in entry] == [5, 3]  # forwards 4, 5

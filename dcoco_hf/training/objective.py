@@ -68,20 +68,24 @@ def drafter_loss(
     rho: float = 4.0,
     dcoco: bool = True,
     generator: torch.Generator | None = None,
+    block_size: int | None = None,
 ) -> DrafterLoss:
     """The stage-1 DFlash loss, plus the stage-2 DCOCO loss when `dcoco` (both labelled by the target's argmax).
 
     input_ids / loss_mask / target_argmax [N, T] (loss_mask marks the tokens to learn), context_states
-    [N, T, n_layers * H]; both come from `target_context` or a feature cache.
+    [N, T, n_layers * H]; both come from `target_context` or a feature cache. `block_size` (default: the drafter's
+    drafting block, `config.block_size`) sets the training blocks; nothing in the weights depends on it, so one
+    checkpoint can be trained on several sizes (DScout's mixed horizons, see `DrafterTrainingModel`).
     """
     cfg = drafter.config
+    block_size = block_size or cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    blocks = pack_blocks(input_ids, target_argmax, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id)
+    blocks = pack_blocks(input_ids, target_argmax, loss_mask, anchors, valid, block_size, cfg.mask_token_id)
     n, m = anchors.shape
     hidden = drafter(
         drafter.embed(blocks.block_ids), context_states, blocks.position_ids, blocks.attention_mask
     ).last_hidden_state
-    block_hidden = hidden.view(n, m, cfg.block_size, -1)  # [N, m, B, H]
+    block_hidden = hidden.view(n, m, block_size, -1)  # [N, m, B, H]
     slot_hidden = block_hidden[:, :, 1:]  # [N, m, S, H]
     # The softmax runs over exactly the tokens the drafter may propose (its draft vocabulary, if it has one), as
     # `propose` ranks them; a label outside it can never be proposed, so it teaches nothing and is dropped.
@@ -91,8 +95,8 @@ def drafter_loss(
     labelled = blocks.label_mask & (columns >= 0)  # [N, m, S]
     slot, labels = labelled.nonzero()[:, -1], columns[labelled]  # [L], [L] (columns of the labels)
     logits, column_tokens = drafter.proposal_logits(slot_hidden[labelled])  # [L, V'], token id of each column
-    gamma = gamma if gamma is not None else default_gamma(cfg.block_size)
-    stage1 = dflash_loss(logits, labels, slot, cfg.block_size, gamma)
+    gamma = gamma if gamma is not None else default_gamma(block_size)
+    stage1 = dflash_loss(logits, labels, slot, block_size, gamma)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels).float()
         counts = torch.zeros(labelled.shape[-1], device=logits.device).index_add_(0, slot, torch.ones_like(correct))
@@ -121,7 +125,7 @@ def drafter_loss(
     if cfg.correct_first_slot:
         index, found = candidate_index(candidates[:, :, 0], blocks.labels[:, :, 0], labelled[:, :, 0])  # [N, m]
         if found.any():
-            anchor_ids = blocks.block_ids.view(n, m, cfg.block_size)[:, :, 0]
+            anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]
             first_scores = drafter.first_slot_scores(
                 block_hidden[found], anchor_ids[found], drafter.embed(candidates[:, :, 0][found]),
                 candidate_logits[found],

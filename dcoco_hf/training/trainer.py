@@ -8,6 +8,7 @@ the dataset provides them, else it is computed online with the same hooks infere
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,25 @@ class DrafterTrainingModel(nn.Module):
 
     `corrector_only` (stage 2) freezes the backbone and trains the corrector alone: a cheap extra stage for a drafter
     whose backbone is done, since no gradient then flows through the drafter's layers.
+
+    `block_sizes` trains mixed horizons (DScout: every update draws its block size with equal frequency, and one
+    checkpoint then serves each of those sizes about as well as a drafter trained on it alone). Training forwards
+    take the sizes in turn. Worth it because the best drafting size depends on the machine (tau / cycle time), while
+    a slot attends to every later mask slot of its block, so a drafter trained on one size drafts others less well.
+    Default: the drafting size `config.block_size` alone.
     """
 
     def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
-                 gamma: float | None = None, rho: float = 4.0, corrector_only: bool = False) -> None:
+                 gamma: float | None = None, rho: float = 4.0, corrector_only: bool = False,
+                 block_sizes: Sequence[int] | None = None) -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: use 1 (DFlash) or 2 (joint DFlash + DCOCO).")
+        self.block_sizes = tuple(block_sizes or (drafter.config.block_size,))
+        if min(self.block_sizes) < 2:
+            raise ValueError(f"block_sizes={list(self.block_sizes)}: a block is the anchor plus at least one mask "
+                             "slot, so every size must be >= 2.")
+        self._training_forwards = 0  # picks the block size of the next training forward
         if corrector_only and (stage != 2 or hasattr(drafter, "peft_config")):
             raise ValueError("corrector_only trains the corrector on the DCOCO loss: it needs stage=2 and a plain "
                              "(non-PEFT) drafter.")
@@ -51,13 +64,17 @@ class DrafterTrainingModel(nn.Module):
             context_states, target_argmax = target_context(
                 self.target, self.drafter.config.target_layer_ids, input_ids, attention_mask
             )
+        block_size = self.block_sizes[self._training_forwards % len(self.block_sizes)]
+        if self.training:
+            self._training_forwards += 1
         out = drafter_loss(
             self.drafter, input_ids, loss_mask, context_states.to(self.drafter.dtype),
-            target_argmax, self.num_anchors, self.gamma, self.rho, dcoco=self.stage == 2,
+            target_argmax, self.num_anchors, self.gamma, self.rho, dcoco=self.stage == 2, block_size=block_size,
         )
         return {
             "loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy,
             "successor_accuracy": out.successor_accuracy, "first_slot_accuracy": out.first_slot_accuracy,
+            "block_size": block_size,
         }
 
 
@@ -102,6 +119,7 @@ class DrafterTrainer(Trainer):
                 parts["dcoco_loss"] = float(outputs["dcoco"])
             accuracy = outputs["slot_accuracy"]
             parts["slot1_acc"], parts["slot_mean_acc"] = float(accuracy[0]), float(accuracy.mean())
+            parts["block_size"] = outputs["block_size"]
             if outputs["successor_accuracy"] is not None:  # the corrector's repairs: compare the two
                 parts["successor_drafter_acc"], parts["successor_corrector_acc"] = map(
                     float, outputs["successor_accuracy"]
