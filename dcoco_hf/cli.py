@@ -309,16 +309,22 @@ def load_models(args: argparse.Namespace, need_drafter: bool, batch: int = 1, cp
 
 
 def use_cpu_layout(
-    args: argparse.Namespace, device: torch.device, *models: torch.nn.Module | None, batch: int = 1
+    args: argparse.Namespace,
+    device: torch.device,
+    *models: torch.nn.Module | None,
+    batch: int = 1,
+    block_sizes: Sequence[int] = (),
 ) -> None:
     """On CPU, unless --plain-linear: the few-rows linear layout measured fastest on this machine for each model, so
-    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the drafter's largest block per
-    sequence: a verify forward has one block, the drafter's key/value projections the block plus the newly committed
-    rows."""
+    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the longest block this run drafts (the
+    drafter's `block_size` and `block_sizes`, e.g. a bench's dcoco@5) per sequence: a verify forward has one block,
+    the drafter's key/value projections the block plus the newly committed rows. Only the run's blocks are measured,
+    since each row count costs start-up time and a longer trained block (`max_block_size`) may never be drafted."""
     if device.type != "cpu" or args.plain_linear:
         return
     drafter = next((m for m in models if isinstance(m, DCOCODrafter)), None)
-    max_rows = max(DEFAULT_MAX_ROWS, 2 * drafter.config.largest_block_size * batch if drafter is not None else batch)
+    rows_per_sequence = 2 * max([drafter.config.block_size, *block_sizes]) if drafter is not None else 1
+    max_rows = max(DEFAULT_MAX_ROWS, rows_per_sequence * batch)
     for model in models:
         if model is not None:
             plan = use_few_rows_linear(model, max_rows=max_rows)
@@ -449,10 +455,15 @@ def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
     ]
 
 
+def named_block_sizes(methods: Sequence[str]) -> list[int]:
+    """The block sizes `methods` name: "vanilla,dcoco@3,dcoco@4,dcoco" -> [3, 4]."""
+    return [size for size in (split_method(m)[1] for m in methods) if size is not None]
+
+
 def apply_block_size(drafter: DCOCODrafter, block_size: int | None, methods: Sequence[str] = ()) -> int:
     """Check the block sizes that `methods` name ("dcoco@3") against the drafter's config, and shorten its block for
     this process to `block_size` (never beyond its config's); returns the block size of unsuffixed methods."""
-    named = [size for size in (split_method(m)[1] for m in methods) if size is not None]
+    named = named_block_sizes(methods)
     if named and block_size is not None:
         raise CLIError(
             f"--block-size {block_size} with block sizes in --methods: use one or the other (--block-size sets one "
@@ -479,9 +490,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise CLIError(str(err), exit_code=1) from None
     prompts = collect_prompts(args)
-    loaded = load_models(args, need_drafter=bool(DRAFTER_METHODS & {split_method(m)[0] for m in methods}))
+    need_drafter = bool(DRAFTER_METHODS & {split_method(m)[0] for m in methods})
+    loaded = load_models(args, need_drafter=need_drafter, cpu_layout=False)  # laid out below, for the run's blocks
     config_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
     block_size = apply_block_size(loaded.drafter, args.block_size, methods) if loaded.drafter is not None else None
+    use_cpu_layout(args, loaded.device, loaded.target, loaded.drafter, block_sizes=named_block_sizes(methods))
     if args.full_vocab and loaded.drafter is not None:
         loaded.drafter.set_draft_vocabulary(None)
     settings = BenchSettings(
