@@ -255,8 +255,8 @@ def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
         raise ValueError(
             f"block size {block_size}: must lie in [2, {largest}], the largest block this drafter was trained on "
             "(config.max_block_size, else config.block_size). A drafter predicts no slot beyond the blocks it was "
-            "trained with; to draft longer blocks, raise block_size in its config.json up to that size (its model "
-            "card says which)"
+            "trained with; if it was trained on longer blocks (its model card says which), record the longest as "
+            "max_block_size in its config.json"
         )
 
 

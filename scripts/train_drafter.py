@@ -115,8 +115,6 @@ def main() -> None:
         drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only,
         block_sizes=args.block_sizes,
     )
-    if args.block_sizes and max(args.block_sizes) > drafter.config.block_size:
-        drafter.config.max_block_size = max(args.block_sizes)  # benchmarks may then draft up to it
     pad = target.generation_config.pad_token_id or 0
     trainer = DrafterTrainer(
         model=model, args=training_args, train_dataset=records,

@@ -30,7 +30,8 @@ class DrafterTrainingModel(nn.Module):
     checkpoint then serves each of those sizes about as well as a drafter trained on it alone). Training forwards
     take the sizes in turn. Worth it because the best drafting size depends on the machine (tau / cycle time), while
     a slot attends to every later mask slot of its block, so a drafter trained on one size drafts others less well.
-    Default: the drafting size `config.block_size` alone.
+    Default: the drafting size `config.block_size` alone. A size above the drafter's largest is recorded as
+    `config.max_block_size`.
     """
 
     def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
@@ -43,6 +44,8 @@ class DrafterTrainingModel(nn.Module):
         if min(self.block_sizes) < 2:
             raise ValueError(f"block_sizes={list(self.block_sizes)}: a block is the anchor plus at least one mask "
                              "slot, so every size must be >= 2.")
+        if max(self.block_sizes) > drafter.config.largest_block_size:  # a longer block trained before stays recorded
+            drafter.config.max_block_size = max(self.block_sizes)  # saved with the drafter: benches may draft up to it
         self._training_forwards = 0  # picks the block size of the next training forward
         if corrector_only and (stage != 2 or hasattr(drafter, "peft_config")):
             raise ValueError("corrector_only trains the corrector on the DCOCO loss: it needs stage=2 and a plain "
