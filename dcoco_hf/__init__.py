@@ -6,6 +6,8 @@ contextual corrector.
     batch = speculative_generate(target, **batch_inputs, drafter=drafter, max_new_tokens=256)  # left-padded batch
 """
 
+from .bench import set_block_size
+from .block_choice import BlockSizeChoice, choose_block_size
 from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
 from .configuration_dcoco import DCOCOConfig
 from .cpu_attention import CPU_GQA_ATTENTION
@@ -20,6 +22,7 @@ DCOCODrafter.register_for_auto_class("AutoModel")
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockSizeChoice",
     "CPU_GQA_ATTENTION",
     "DCOCOCandidateGenerator",
     "DCOCOConfig",
@@ -30,9 +33,11 @@ __all__ = [
     "FewRowsLinear",
     "SpeculativeOutput",
     "TargetTap",
+    "choose_block_size",
     "prefix_first_walk",
     "restore_linear",
     "select_candidates",
+    "set_block_size",
     "speculative_generate",
     "spread_layer_ids",
     "use_few_rows_linear",

@@ -269,7 +269,7 @@ def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
 
 
 @contextmanager
-def _block_size(drafter: DCOCODrafter | None, block_size: int | None) -> Iterator[None]:
+def block_size_for_call(drafter: DCOCODrafter | None, block_size: int | None) -> Iterator[None]:
     """Draft blocks of `block_size` for the duration of one call (None: the drafter's own)."""
     if block_size is None or drafter is None:
         yield
@@ -348,7 +348,7 @@ class MethodRunner:
         attention_mask = torch.ones_like(input_ids)
         torch.manual_seed(self.settings.seed + index)  # same sampling seed for every method on this prompt
         with (
-            _block_size(self.drafter, block_size),
+            block_size_for_call(self.drafter, block_size),
             self.trace.record() as trace,
             _config_fields(self.drafter, DCOCO_WALKS.get(base, {})),
         ):

@@ -46,6 +46,7 @@ from .bench import (
     set_block_size,
     split_method,
 )
+from .block_choice import BlockSizeChoice, candidate_block_sizes, choose_block_size
 from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import DEFAULT_MAX_ROWS, few_rows_plan, use_few_rows_linear
 from .modeling_dcoco import DCOCODrafter
@@ -55,6 +56,15 @@ DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
 DEFAULT_SUITES = "humaneval,mtbench"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", CPU_GQA_ATTENTION, "flash_attention_2", "eager")
+
+
+BLOCK_SIZE_HELP = (
+    "draft block size (anchor + B-1 drafted tokens), or auto: the block of highest tau per cycle time on this "
+    "machine (DScout's G = tau / T: tau as recorded in the drafter's block_tau, T timed at start-up; see "
+    "dcoco_hf/block_choice.py). Default: auto when the drafter records block_tau, else its config block_size. "
+    "At most the largest block it was trained on (config.max_block_size, else block_size): a shorter block "
+    "drops trailing mask slots, a longer one would ask for slots it never learned"
+)
 
 
 class CLIError(Exception):
@@ -87,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", help="the user message (sent through the target's chat template)")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    gen.add_argument("--block-size", type=block_size_arg, default=None, metavar="{B,auto}", help=BLOCK_SIZE_HELP)
     gen.add_argument("--warmup", type=int, default=1,
                      help="short untimed runs of both methods first, so one-off start-up costs do not skew the "
                      "comparison (default 1)")
@@ -111,14 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "the file")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
-    bench.add_argument("--block-size", type=int, default=None,
-                       help="draft block size for this run (anchor + B-1 drafted tokens); at most the largest "
-                       "block the drafter was trained on (config.max_block_size, else block_size). A shorter block "
-                       "only drops trailing mask slots, which carry no token information, so the kept slots "
-                       "predict much as before; a longer one may ask for slots the drafter never learned, so it "
-                       "is refused. "
-                       "Useful where verifying a long block is expensive (CPU); to compare several, name them in "
-                       "--methods (dcoco@3,dcoco@4).")
+    bench.add_argument("--block-size", type=block_size_arg, default=None, metavar="{B,auto}",
+                       help=BLOCK_SIZE_HELP + "; to compare several, name them in --methods (dcoco@3,dcoco@4)")
     bench.add_argument("--full-vocab", action="store_true",
                        help="propose from the whole vocabulary even if the drafter has a draft vocabulary (to measure "
                        "what the draft vocabulary saves; outputs are identical either way)")
@@ -174,6 +179,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Checks that need no model
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def block_size_arg(text: str) -> int | str:
+    """--block-size: an integer of at least 2, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of tokens (anchor included) or auto") from None
+    if size < 2:
+        raise argparse.ArgumentTypeError(f"{size}: a block needs the anchor plus at least one drafted token")
+    return size
 
 
 def parse_methods(text: str) -> list[str]:
@@ -381,7 +399,8 @@ def _log(message: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_common(args)
-    loaded = load_models(args, need_drafter=True)
+    loaded = load_models(args, need_drafter=True, cpu_layout=False)  # laid out for the blocks it may draft
+    prepare_block_size(args, loaded)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     input_ids = encode_prompt(loaded.tokenizer, args.prompt).to(loaded.device)
     with closing(MethodRunner(loaded.target, loaded.drafter, settings)) as runner:
@@ -395,11 +414,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _log("running plain generate() on the same prompt for comparison")
         plain = runner.run("vanilla", "prompt", 0, input_ids)
     print()
-    print(generate_summary(dcoco, plain, dcoco.output == plain.output, settings.greedy, loaded.dtype_name))
+    identical = dcoco.output == plain.output
+    block = loaded.drafter.config.block_size
+    print(generate_summary(dcoco, plain, identical, settings.greedy, loaded.dtype_name, block))
     return 0
 
 
-def generate_summary(dcoco: RunRecord, plain: RunRecord, identical: bool, greedy: bool, dtype: str) -> str:
+def generate_summary(
+    dcoco: RunRecord, plain: RunRecord, identical: bool, greedy: bool, dtype: str, block_size: int
+) -> str:
     """The lines printed after the streamed answer."""
 
     def speed(record: RunRecord) -> str:
@@ -414,7 +437,8 @@ def generate_summary(dcoco: RunRecord, plain: RunRecord, identical: bool, greedy
     else:
         same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
     return "\n".join([
-        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} ({mean:.2f} draft tokens accepted per verification)",
+        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} ({mean:.2f} of {block_size - 1} draft tokens accepted per "
+        "verification)",
         f"plain generate: {speed(plain)}",
         f"speedup {plain.seconds / dcoco.seconds:.2f}x over plain generate (same run); outputs identical: {same}",
     ])
@@ -460,30 +484,52 @@ def named_block_sizes(methods: Sequence[str]) -> list[int]:
     return [size for size in (split_method(m)[1] for m in methods) if size is not None]
 
 
-def apply_block_size(drafter: DCOCODrafter, block_size: int | None, methods: Sequence[str] = ()) -> int:
-    """Check the block sizes that `methods` name ("dcoco@3") against the drafter's config, and shorten its block for
-    this process to `block_size` (never beyond its config's); returns the block size of unsuffixed methods."""
+def prepare_block_size(
+    args: argparse.Namespace, loaded: Loaded, methods: Sequence[str] = ("dcoco",)
+) -> BlockSizeChoice | None:
+    """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, lay the models out on
+    CPU for every block the run may draft (`use_cpu_layout`), then set the block of unsuffixed drafter methods: the
+    --block-size given, or with auto (the default where the drafter records block_tau) the one of highest recorded
+    tau per cycle timed here. Returns that choice, if one was made."""
+    drafter = loaded.drafter
+    if drafter is None:
+        use_cpu_layout(args, loaded.device, loaded.target)
+        return None
     named = named_block_sizes(methods)
-    if named and block_size is not None:
+    if named and args.block_size is not None:
         raise CLIError(
-            f"--block-size {block_size} with block sizes in --methods: use one or the other (--block-size sets one "
-            "block for every drafter method; dcoco@3,dcoco@4 compares blocks on the same prompts)"
+            f"--block-size {args.block_size} with block sizes in --methods: use one or the other (--block-size sets "
+            "one block for every drafter method; dcoco@3,dcoco@4 compares blocks on the same prompts)"
         )
+    recorded = drafter.config.block_tau is not None
+    if args.block_size == "auto" and not recorded:
+        raise CLIError(
+            "--block-size auto: this drafter records no block_tau to weigh cycle times against; give a block size, "
+            "or record tau per block size from a bench (scripts/record_block_tau.py)"
+        )
+    unsuffixed = any(m in DRAFTER_METHODS for m in methods)  # "dcoco" drafts the chosen block, "dcoco@3" its own
+    auto = unsuffixed and (args.block_size == "auto" or (args.block_size is None and recorded))
     try:
         for size in named:
             check_block_size(drafter, size)
-        if block_size is not None:
-            set_block_size(drafter, block_size)
+        if isinstance(args.block_size, int):
+            set_block_size(drafter, args.block_size)
     except ValueError as err:
         raise CLIError(f"--block-size / --methods: {err}") from None
-    return drafter.config.block_size
+    candidates = candidate_block_sizes(drafter.config) if auto else []
+    use_cpu_layout(args, loaded.device, loaded.target, drafter, block_sizes=[*named, *candidates])
+    if not auto:
+        return None
+    _log(f"timing a cycle at blocks of {candidates[0]}-{candidates[-1]} to choose the fastest (--block-size auto)")
+    choice = choose_block_size(loaded.target, drafter, candidates)
+    set_block_size(drafter, choice.block_size)
+    _log(f"block size {choice.block_size} chosen:\n{choice.summary()}")
+    return choice
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     _check_common(args)
     methods = parse_methods(args.methods)
-    if args.block_size is not None and args.block_size < 2:
-        raise CLIError(f"--block-size {args.block_size}: a block needs the anchor plus at least one drafted token")
     if args.plots is not None:  # checked now rather than after a long benchmark
         try:
             require_matplotlib()
@@ -493,8 +539,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     need_drafter = bool(DRAFTER_METHODS & {split_method(m)[0] for m in methods})
     loaded = load_models(args, need_drafter=need_drafter, cpu_layout=False)  # laid out below, for the run's blocks
     config_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
-    block_size = apply_block_size(loaded.drafter, args.block_size, methods) if loaded.drafter is not None else None
-    use_cpu_layout(args, loaded.device, loaded.target, loaded.drafter, block_sizes=named_block_sizes(methods))
+    choice = prepare_block_size(args, loaded, methods)
+    block_size = loaded.drafter.config.block_size if loaded.drafter is not None else None
     if args.full_vocab and loaded.drafter is not None:
         loaded.drafter.set_draft_vocabulary(None)
     settings = BenchSettings(
@@ -506,7 +552,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     _log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
     records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
-    config = run_config(args, loaded, methods, prompts, block_size, config_block)
+    config = run_config(args, loaded, methods, prompts, block_size, config_block, choice)
     report = build_report(records, methods, config)
     print(format_report(report))
     if args.json is not None:
@@ -527,6 +573,7 @@ def run_config(
     prompts: Sequence[PromptItem],
     block_size: int | None,
     config_block: int | None,
+    choice: BlockSizeChoice | None = None,
 ) -> dict[str, Any]:
     """Everything needed to reproduce or compare a run."""
     suites: dict[str, int] = {}
@@ -546,6 +593,10 @@ def run_config(
         "warmup": args.warmup,
         "block_size": block_size,
         "config_block_size": config_block,
+        "block_size_choice": None if choice is None else {
+            str(size): {"recorded_tau": choice.tau[size], "cycle_ms": 1e3 * choice.cycle_seconds[size]}
+            for size in sorted(choice.tau)
+        },
         "top_k": drafter.config.top_k if drafter is not None else None,
         "draft_vocab_size": drafter.config.draft_vocab_size if drafter is not None else None,
         "selection": drafter.config.selection if drafter is not None else None,

@@ -367,6 +367,30 @@ def test_bad_prompts_file_names_the_line(tmp_path):
     assert result.code == 2 and "line 2" in result.err
 
 
+def test_auto_block_size(tiny, tmp_path):
+    """--block-size auto times cycles and records the choice; without a recorded block_tau it says how to get one,
+    while the default then keeps the config's block."""
+    base = ["bench", "--target", tiny.root / "target", "--prompts", tiny.prompts, "--limit", 1,
+            "--max-new-tokens", 8, "--warmup", 0, "--methods", "vanilla,dcoco"]
+    refused = run_cli(*base, "--drafter", tiny.root / "drafter", "--block-size", "auto")
+    assert refused.code == 2 and "records no block_tau" in refused.err, refused.err
+    plain = run_cli(*base, "--drafter", tiny.root / "drafter", "--json", tmp_path / "plain.json")
+    assert plain.code == 0, plain.err
+    assert json.loads((tmp_path / "plain.json").read_text())["config"]["block_size_choice"] is None
+
+    folder = tmp_path / "measured-drafter"
+    DCOCODrafter.from_pretrained(tiny.root / "drafter").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"block_tau": {"2": 1.6, "3": 1.9, "4": 2.0}}))
+    result = run_cli(*base, "--drafter", folder, "--json", tmp_path / "auto.json")
+    assert result.code == 0, result.err
+    report = json.loads((tmp_path / "auto.json").read_text())["config"]
+    assert sorted(report["block_size_choice"]) == ["2", "3", "4"]  # the block sizes with a recorded tau
+    assert report["block_size"] in (2, 3, 4) and f"block size {report['block_size']} chosen" in result.err
+    assert report["methods"] == ["vanilla", "dcoco"]
+    assert json.loads((tmp_path / "auto.json").read_text())["methods"]["dcoco"]["equal_to_vanilla"] == 1.0
+
+
 def test_missing_default_drafter_says_pass_drafter(tiny, monkeypatch):
     monkeypatch.setattr(cli, "DEFAULT_DRAFTER_NAME", "no-such-drafter")
     result = run_cli("bench", "--target", tiny.root / "target", "--prompts", tiny.prompts, "--methods", "dcoco")

@@ -64,3 +64,17 @@ def test_card_results_table_matches_its_bench_json():
     for (suite, method), prefix in rows.items():
         summary = bench[suite][method]
         assert f"{prefix} {summary['tau']:.2f} | {summary['speedup']:.2f}x |" in card, (suite, method)
+
+
+def test_recorded_block_tau_is_the_block_size_bench():
+    """`block_tau` in config.json, which --block-size auto weighs against timed cycles, is what the card's block-size
+    bench measured (scripts/record_block_tau.py), for every block the drafter was trained to draft."""
+    config = json.loads((CARD / "config.json").read_text())
+    bench = json.loads((CARD / "bench_block_sizes.json").read_text())
+    measured = {
+        name.split("@")[1]: round(summary["tau"], 4)
+        for name, summary in bench["methods"].items()
+        if name.startswith("dcoco@")
+    }
+    assert config["block_tau"] == measured
+    assert sorted(map(int, measured)) == list(range(2, config["max_block_size"] + 1))

@@ -49,6 +49,9 @@ class DCOCOConfig(PreTrainedConfig):
             draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
             draft_vocab_size times cheaper. None: the whole vocabulary.
+        block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
+            model card says which). With cycle times timed on the machine at hand it picks the block size of highest
+            tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
     """
 
     model_type = "dcoco"
@@ -82,6 +85,7 @@ class DCOCOConfig(PreTrainedConfig):
     geometric_lambda: float = 0.75
     correct_first_slot: bool = False
     draft_vocab_size: int | None = None
+    block_tau: dict | None = None
 
     def __init__(
         self,
@@ -112,6 +116,7 @@ class DCOCOConfig(PreTrainedConfig):
         geometric_lambda: float = 0.75,
         correct_first_slot: bool = False,
         draft_vocab_size: int | None = None,
+        block_tau: dict[str, float] | None = None,
         layer_types: list[str] | None = None,
         dflash_config: dict[str, Any] | None = None,
         **kwargs: Any,
@@ -149,6 +154,8 @@ class DCOCOConfig(PreTrainedConfig):
         self.geometric_lambda = geometric_lambda
         self.correct_first_slot = bool(correct_first_slot)
         self.draft_vocab_size = draft_vocab_size
+        # JSON keys are strings; ints are accepted too.
+        self.block_tau = {str(int(b)): float(t) for b, t in block_tau.items()} if block_tau is not None else None
         kwargs.setdefault("tie_word_embeddings", False)
         # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.
         kwargs["auto_map"] = dict(AUTO_MAP)
@@ -168,6 +175,15 @@ class DCOCOConfig(PreTrainedConfig):
         if self.max_block_size is not None and self.max_block_size < 2:
             raise ValueError(f"max_block_size={self.max_block_size}: a block needs the anchor plus at least one mask "
                              "slot (>= 2); use None when block_size is the largest trained block.")
+        if self.block_tau is not None:
+            bad = {b: t for b, t in self.block_tau.items() if not (2 <= int(b) <= self.largest_block_size
+                                                                and 1.0 <= t <= int(b))}
+            if bad or not self.block_tau:
+                raise ValueError(
+                    f"block_tau={self.block_tau}: needs one tau per measured block size B in [2, "
+                    f"{self.largest_block_size}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None "
+                    "when it was not measured (scripts/record_block_tau.py records it from bench JSON files)."
+                )
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}.")
         if not 0.0 < self.geometric_lambda <= 1.0:

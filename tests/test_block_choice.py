@@ -1,0 +1,96 @@
+"""Choosing the block size by DScout's tau / cycle time (dcoco_hf/block_choice.py), on the tiny fitted drafter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcoco_hf import DCOCOConfig, block_choice
+from dcoco_hf.block_choice import candidate_block_sizes, choose_block_size, time_cycles
+
+# The shipped SmolLM2 drafter's HumanEval tau per block size (its bench_block_sizes.json): it grows fast up to blocks
+# of 4, then hardly.
+BLOCK_TAU = {"2": 1.62, "3": 1.93, "4": 2.08, "5": 2.10, "6": 2.08, "7": 2.05, "8": 2.03}
+
+
+@pytest.mark.parametrize(
+    "verify_ms, best",
+    [
+        # Made-up cycle costs of the two CPU patterns we met: the 4-token verify nearly as cheap as the 3-token one
+        # (blocks of 4 win), or clearly dearer (blocks of 3 win); on a GPU, where T barely grows, the highest tau wins.
+        ({2: 100, 3: 104, 4: 106, 5: 125, 6: 128, 7: 131, 8: 134}, 4),
+        ({2: 100, 3: 104, 4: 116, 5: 125, 6: 128, 7: 131, 8: 134}, 3),
+        ({2: 10, 3: 10, 4: 10, 5: 10, 6: 10, 7: 10, 8: 10}, 5),
+    ],
+)
+def test_the_block_of_highest_tau_per_cycle_wins(fitted, monkeypatch, verify_ms, best):
+    def timed(target, drafter, sizes, **_) -> dict[int, float]:
+        return {size: verify_ms[size] / 1e3 for size in sizes}
+
+    target, drafter = fitted
+    monkeypatch.setattr(block_choice, "time_cycles", timed)
+    drafter.config.block_tau = BLOCK_TAU
+    try:
+        choice = choose_block_size(target, drafter)
+    finally:
+        drafter.config.block_tau = None
+    assert choice.block_size == best
+    assert sorted(choice.tau) == list(range(2, 9)) and choice.tau[3] == 1.93
+    assert f"* block {best}:" in choice.summary()
+
+
+def test_cycle_timing_leaves_the_drafter_as_it_was(fitted):
+    target, drafter = fitted
+    block, assistant_tokens = drafter.config.block_size, drafter.generation_config.num_assistant_tokens
+    prompt = torch.arange(3, 19)[None]
+    before = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    seconds = time_cycles(target, drafter, [2, 5, 8], context_length=32, repeats=2)
+    assert sorted(seconds) == [2, 5, 8] and all(s > 0 for s in seconds.values())
+    assert (drafter.config.block_size, drafter.generation_config.num_assistant_tokens) == (block, assistant_tokens)
+    after = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    assert torch.equal(before, after)
+
+
+def test_block_tau_is_checked_and_names_the_candidates():
+    config = DCOCOConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=6, top_k=4)
+    with pytest.raises(ValueError, match="records no block_tau"):
+        candidate_block_sizes(config)
+    config.block_tau = {"4": 1.9, "2": 1.5}
+    assert candidate_block_sizes(config) == [2, 4]
+    for bad in ({"7": 2.0}, {"3": 3.5}, {"3": 0.9}, {}):
+        with pytest.raises(ValueError, match=r"needs one tau per measured block size B in \[2, 6\]"):
+            DCOCOConfig(**(config.to_dict() | {"block_tau": bad}))
+    assert DCOCOConfig(**(config.to_dict() | {"block_tau": {3: 2}})).block_tau == {"3": 2.0}  # JSON keys: str
+
+
+def test_record_block_tau_script(tmp_path):
+    """scripts/record_block_tau.py writes the dcoco@B taus of benches on the same prompts into config.json."""
+    config = DCOCOConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=4, top_k=4)
+    config.save_pretrained(tmp_path / "drafter")
+
+    def bench(path, taus, suites):
+        methods = {name: {"tau": tau} for name, tau in taus.items()}
+        report = {"methods": methods, "suites": {}, "config": {"temperature": 0.0, "suites": suites,
+                                                               "max_new_tokens": 128}}
+        path.write_text(json.dumps(report))
+        return str(path)
+
+    first = bench(tmp_path / "a.json", {"vanilla": None, "dcoco@2": 1.51234, "dflash@3": 1.7}, {"humaneval": 20})
+    second = bench(tmp_path / "b.json", {"dcoco@3": 1.8, "dcoco@4": 1.9}, {"humaneval": 20})
+    script = Path(__file__).resolve().parents[1] / "scripts" / "record_block_tau.py"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "drafter"), first, second],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["block_tau"] == {
+        "2": 1.5123, "3": 1.8, "4": 1.9}
+    other = bench(tmp_path / "c.json", {"dcoco@4": 1.9}, {"humaneval": 5})
+    refused = subprocess.run([sys.executable, str(script), str(tmp_path / "drafter"), first, other],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "different prompt sets" in refused.stderr
