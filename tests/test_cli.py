@@ -339,6 +339,9 @@ def test_generate_prints_tau_speedup_and_identity(tiny):
     assert "speedup " in result.out and "over plain generate" in result.out
     assert "outputs identical: yes" in result.out
     assert result.out.split("\n", 1)[0].startswith("w")  # the streamed answer comes first
+    fixed = run_cli("generate", "w1 w2 w3 w4", *tiny.model_args, "--max-new-tokens", 12, "--warmup", 0,
+                    "--block-size", 2)
+    assert fixed.code == 0 and "(blocks of 2: " in fixed.out and "outputs identical: yes" in fixed.out, fixed.err
 
 
 @pytest.mark.parametrize(
