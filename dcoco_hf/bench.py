@@ -16,8 +16,8 @@ shared, noisy machine hit all methods alike and the speed ratios stay fair.
 
 Acceptance numbers come from one measuring stick for all methods (`ForwardTrace`): a forward pre-hook on the target
 records the cache length and input length of every target forward, from which the drafted and accepted tokens of each
-verification follow. tau = new tokens / target forwards. DCOCO-only numbers (top-1/top-K coverage, the top-K
-ceiling of tau, drafter and corrector time) come from `drafter.generation_stats`.
+verification follow. tau = new tokens / target forwards. DCOCO-only numbers (top-1/top-K coverage, the
+ceilings of tau for the prefix-first walk and for any walk, drafter and corrector time) come from `drafter.generation_stats`.
 """
 
 from __future__ import annotations
@@ -476,6 +476,7 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
         "coverage_topk": None,
         "argmax_prefix_tau": None,
         "topk_ceiling_tau": None,
+        "walk_ceiling_tau": None,
         "corrector_share": None,
         "drafter_seconds": None,
         "corrector_seconds": None,
@@ -488,7 +489,8 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
             merged = merged.merge(stats)
         totals = merged.as_dict()
         summary.update(
-            {key: totals[key] for key in ("coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau")},
+            {key: totals[key] for key in (
+                "coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau")},
             corrector_share=merged.corrector_seconds / seconds if seconds > 0 else None,
             drafter_seconds=merged.drafter_seconds,
             corrector_seconds=merged.corrector_seconds,
@@ -521,7 +523,10 @@ def build_report(records: list[RunRecord], methods: Sequence[str], config: dict[
 # Text table
 # ---------------------------------------------------------------------------------------------------------------
 
-_COLUMNS = ("method", "prompts", "tokens", "seconds", "tok/s", "speedup", "tau", "top-K ceiling", "equal", "corrector")
+_COLUMNS = (
+    "method", "prompts", "tokens", "seconds", "tok/s", "speedup", "tau", "walk ceiling", "top-K ceiling", "equal",
+    "corrector",
+)
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -540,6 +545,7 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
             _cell(s["tokens_per_s"], ".1f"),
             "-" if s["speedup"] is None else f"{s['speedup']:.2f}x",
             _cell(s["tau"], ".2f"),
+            _cell(s["walk_ceiling_tau"], ".2f"),
             _cell(s["topk_ceiling_tau"], ".2f"),
             _cell(s["equal_to_vanilla"], ".2f"),
             "-" if s["corrector_share"] is None else f"{100 * s['corrector_share']:.1f}%",

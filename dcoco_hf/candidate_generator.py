@@ -194,12 +194,14 @@ class DCOCOStats:
     slot_top1: list[int] = field(default_factory=list)
     slot_topk: list[int] = field(default_factory=list)
     slot_seen: list[int] = field(default_factory=list)
-    # per drafted slot s: cycles whose committed tokens at slots 1..s were all top-1 / all inside the top-K
+    # per drafted slot s: cycles whose committed tokens at slots 1..s were all top-1 / all inside the top-K / top-1
+    # at slot 1 and inside the top-K after it (the most the paper's prefix-first walk can reach)
     prefix_top1: list[int] = field(default_factory=list)
     prefix_topk: list[int] = field(default_factory=list)
+    prefix_walk: list[int] = field(default_factory=list)
 
     _SLOT_FIELDS = ("slot_proposed", "slot_accepted", "slot_top1", "slot_topk", "slot_seen", "prefix_top1",
-                    "prefix_topk")
+                    "prefix_topk", "prefix_walk")
 
     def __post_init__(self) -> None:
         slots = self.block_size - 1
@@ -218,12 +220,14 @@ class DCOCOStats:
     def accept_hist(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accepted).items()))
 
-    def prefix_tau(self, within_topk: bool) -> float | None:
+    def prefix_tau(self, within_topk: bool, walk: bool = False) -> float | None:
         """Tokens per verify these cycles would commit if each kept its longest run of right slots: counting a slot
         right when the committed token was the drafter's top-1 (what argmax drafting of the same blocks earns) or
         anywhere in its top-K (`within_topk`: the ceiling of every walk over these candidates, a perfect corrector's).
+        `walk` keeps slot 1 at the drafter's top-1 and counts later slots within the top-K: the ceiling of the
+        paper's prefix-first walk, which only re-selects successors.
         """
-        prefix = self.prefix_topk if within_topk else self.prefix_top1
+        prefix = self.prefix_walk if walk else self.prefix_topk if within_topk else self.prefix_top1
         if not self.slot_seen or not self.slot_seen[0]:
             return None
         return 1 + sum(n / d for n, d in zip(prefix, self.slot_seen) if d)
@@ -244,6 +248,7 @@ class DCOCOStats:
             "coverage_topk": ratio(self.slot_topk, self.slot_seen),
             "argmax_prefix_tau": self.prefix_tau(within_topk=False),
             "topk_ceiling_tau": self.prefix_tau(within_topk=True),
+            "walk_ceiling_tau": self.prefix_tau(within_topk=True, walk=True),
             "drafter_seconds": self.drafter_seconds,
             "corrector_seconds": self.corrector_seconds,
             "target_seconds": self.target_seconds,
@@ -418,12 +423,14 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             hits = candidates[: truth.shape[0]] == truth[:, None]  # [s, K]
             top1_run = hits[:, 0].long().cumprod(0)  # [s] 1 while every slot so far was top-1
             topk_run = hits.any(-1).long().cumprod(0)  # [s] 1 while every slot so far was inside the top-K
+            walk_run = topk_run * hits[0, 0].long()  # [s] the same, with slot 1 the drafter's top-1
             for slot in range(truth.shape[0]):
                 stats.slot_seen[slot] += 1
                 stats.slot_top1[slot] += bool(hits[slot, 0])
                 stats.slot_topk[slot] += bool(hits[slot].any())
                 stats.prefix_top1[slot] += int(top1_run[slot])
                 stats.prefix_topk[slot] += int(topk_run[slot])
+                stats.prefix_walk[slot] += int(walk_run[slot])
         self._slot_candidates = []
 
 

@@ -61,6 +61,28 @@ class DCOCOCorrector(nn.Module):
         nn.init.zeros_(self.delta_out.weight)
         nn.init.zeros_(self.delta_out.bias)
 
+    def widened(self, mlp_hidden: int) -> "DCOCOCorrector":
+        """A copy whose Delta has `mlp_hidden` hidden units and scores every transition exactly as this one does.
+
+        The old units are copied; the new ones get fresh input weights and a zero output weight, the same start as
+        the zero-initialised output layer, so they change nothing until trained. Used to give a trained corrector
+        more capacity without losing what it learned.
+        """
+        old_hidden = self.delta_out.in_features
+        if mlp_hidden < old_hidden:
+            raise ValueError(f"mlp_hidden={mlp_hidden} is below the current {old_hidden}: widening only adds units.")
+        wide = DCOCOCorrector(self.pair_proj.in_features // 2, self.rank, mlp_hidden).to(self.delta_out.weight)
+        state = wide.state_dict()
+        for name, tensor in self.state_dict().items():
+            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits")):  # [hidden, in] / [hidden]
+                state[name][:old_hidden] = tensor
+            elif name == "delta_out.weight":  # [1, hidden]
+                state[name].zero_()[:, :old_hidden] = tensor
+            else:
+                state[name].copy_(tensor)
+        wide.load_state_dict(state)
+        return wide
+
     def candidate_representations(self, candidate_embeds: torch.Tensor, slot_hidden: torch.Tensor) -> torch.Tensor:
         """z_i^k from candidate embeddings [B, S, K, H] and slot hiddens [B, S, H] -> [B, S, K, r]."""
         # Non-affine LN first: token embeddings and drafter hiddens differ in scale by orders of magnitude.

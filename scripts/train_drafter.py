@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--correct-first-slot", action="store_true",
                    help="stage 2: train (and ship) the anchor -> slot 1 transitions too, so the walk may re-select "
                         "slot 1 (config `correct_first_slot`; adds no weights, so it goes with --init)")
+    p.add_argument("--corrector-hidden", type=int, default=None,
+                   help="stage 2 with --init: widen the corrector's transition MLP to this many hidden units; the "
+                        "widened corrector scores exactly as before until trained (config `corrector_hidden`)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None,
                    help="train on these block sizes in turn (DScout's mixed horizons), so one checkpoint drafts each "
                         "of them well; drafting still uses config block_size (default: train on that size alone)")
@@ -72,6 +75,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"{flags}: these shape a new drafter, but --init {args.init} brings its own architecture; drop them")
     if args.corrector_only and (args.stage != 2 or not args.init):
         p.error("--corrector-only trains the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
+    if args.corrector_hidden is not None and (args.stage != 2 or not args.init):
+        p.error("--corrector-hidden widens the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
     if args.correct_first_slot and args.stage != 2:
         p.error("--correct-first-slot trains corrector scores, which stage 1 leaves at zero: use it with --stage 2")
     for name, default in NEW_DRAFTER.items():
@@ -87,6 +92,9 @@ def main() -> None:
     if args.init:
         drafter = DCOCODrafter.from_pretrained(args.init).attach(target)
         drafter.config.correct_first_slot |= args.correct_first_slot
+        if args.corrector_hidden is not None:
+            drafter.corrector = drafter.corrector.widened(args.corrector_hidden)
+            drafter.config.corrector_hidden = args.corrector_hidden
     elif args.stage == 2:
         raise SystemExit("--stage 2 starts from a stage-1 drafter: pass --init runs/stage1/final")
     else:

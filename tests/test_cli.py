@@ -30,7 +30,8 @@ from dcoco_hf.plots import PLOT_FILES
 SPECULATIVE = [m for m in METHODS if m != "vanilla"]
 SUMMARY_KEYS = {
     "tau", "tokens_per_s", "speedup", "equal_to_vanilla", "accept_hist", "per_slot_accept", "coverage_top1",
-    "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "corrector_share", "new_tokens", "seconds", "prompts",
+    "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau", "corrector_share", "new_tokens",
+    "seconds", "prompts",
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -123,7 +124,7 @@ def test_bench_greedy_is_exact_and_stats_are_sane(bench_run):
         summary = methods[name]
         assert len(summary["coverage_top1"]) == len(summary["coverage_topk"]) == 7
         assert all(t1 <= tk for t1, tk in zip(summary["coverage_top1"], summary["coverage_topk"]) if t1 is not None)
-        assert 1 <= summary["argmax_prefix_tau"] <= summary["topk_ceiling_tau"] <= 8
+        assert 1 <= summary["argmax_prefix_tau"] <= summary["walk_ceiling_tau"] <= summary["topk_ceiling_tau"] <= 8
         assert 0 < summary["corrector_share"] < 1
     for name in ("vanilla", "prompt_lookup", "dflash"):
         assert methods[name]["coverage_top1"] is None and methods[name]["corrector_share"] is None
@@ -147,8 +148,10 @@ def test_coverage_books_the_longest_runs_of_top1_and_topk_slots():
     stats = generator.stats
     assert stats.slot_seen == [3, 2, 2] and stats.slot_top1 == [1, 1, 2] and stats.slot_topk == [2, 2, 2]
     assert stats.prefix_top1 == [1, 0, 0] and stats.prefix_topk == [2, 2, 2]
+    assert stats.prefix_walk == [1, 1, 1]  # the paper's walk keeps slot 1 at top-1: only the first cycle can go on
     assert stats.prefix_tau(within_topk=False) == pytest.approx(1 + 1 / 3)
     assert stats.prefix_tau(within_topk=True) == pytest.approx(1 + 2 / 3 + 2 / 2 + 2 / 2)
+    assert stats.prefix_tau(within_topk=True, walk=True) == pytest.approx(1 + 1 / 3 + 1 / 2 + 1 / 2)
     assert DCOCOStats(block_size=4, top_k=2).prefix_tau(within_topk=True) is None  # no cycle booked yet
 
 

@@ -173,6 +173,28 @@ def test_first_slot_scores_equal_naive_concatenation():
     torch.testing.assert_close(got, naive, rtol=1e-10, atol=1e-10)
 
 
+def test_widened_corrector_scores_as_before_until_trained():
+    """Widening Delta keeps every score (pairs and first slot); the new units then train like any other."""
+    torch.manual_seed(2)
+    hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
+    c = _random_corrector(hidden, rank, mlp)
+    wide = c.widened(11)
+    assert wide.delta_out.in_features == 11 and wide.delta_pair.out_features == 11
+    slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
+    embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
+    logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
+    torch.testing.assert_close(wide(slot_hidden, embeds, logits), c(slot_hidden, embeds, logits), rtol=0, atol=1e-12)
+    first = (slot_hidden[:, 0], embeds[:, 0, 0], slot_hidden[:, 1], embeds[:, 1], logits[:, 1])
+    torch.testing.assert_close(wide.first_slot_scores(*first), c.first_slot_scores(*first), rtol=0, atol=1e-12)
+    wide(slot_hidden, embeds, logits).sum().backward()
+    assert wide.delta_out.weight.grad[0, mlp:].abs().min() > 0  # the new units get gradient from the first step
+    with torch.no_grad():
+        wide.delta_out.weight[0, mlp:] = 1.0
+    assert not torch.allclose(wide(slot_hidden, embeds, logits), c(slot_hidden, embeds, logits))
+    with pytest.raises(ValueError, match="only adds units"):
+        c.widened(mlp - 1)
+
+
 # ---------------------------------------------------------------------------------------------------- walks
 
 
