@@ -16,8 +16,8 @@ shared, noisy machine hit all methods alike and the speed ratios stay fair.
 
 Acceptance numbers come from one measuring stick for all methods (`ForwardTrace`): a forward pre-hook on the target
 records the cache length and input length of every target forward, from which the drafted and accepted tokens of each
-verification follow. tau = new tokens / target forwards. DCOCO-only numbers (top-1/top-K coverage, the
-ceilings of tau for the prefix-first walk and for any walk, drafter and corrector time) come from `drafter.generation_stats`.
+verification follow. tau = new tokens / target forwards. DCOCO-only numbers (top-1/top-K coverage, the ceilings of
+tau for the prefix-first walk and for any walk, drafter and corrector time) come from `drafter.generation_stats`.
 """
 
 from __future__ import annotations

@@ -220,14 +220,18 @@ class DCOCOStats:
     def accept_hist(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accepted).items()))
 
-    def prefix_tau(self, within_topk: bool, walk: bool = False) -> float | None:
-        """Tokens per verify these cycles would commit if each kept its longest run of right slots: counting a slot
-        right when the committed token was the drafter's top-1 (what argmax drafting of the same blocks earns) or
-        anywhere in its top-K (`within_topk`: the ceiling of every walk over these candidates, a perfect corrector's).
-        `walk` keeps slot 1 at the drafter's top-1 and counts later slots within the top-K: the ceiling of the
-        paper's prefix-first walk, which only re-selects successors.
+    def prefix_tau(self, runs: str) -> float | None:
+        """Tokens per verify these cycles would commit if each kept its longest run of right slots, counting a slot
+        right when the committed token was
+        - "top1": the drafter's top-1 (what argmax drafting of the same blocks earns);
+        - "topk": anywhere in its top-K (the ceiling of every walk over these candidates, a perfect corrector's);
+        - "walk": the top-1 at slot 1 and anywhere in the top-K after it (the ceiling of the paper's prefix-first
+          walk, which only re-selects successors).
         """
-        prefix = self.prefix_walk if walk else self.prefix_topk if within_topk else self.prefix_top1
+        prefixes = {"top1": self.prefix_top1, "topk": self.prefix_topk, "walk": self.prefix_walk}
+        if runs not in prefixes:
+            raise ValueError(f"runs={runs!r} is unknown; choose one of {sorted(prefixes)}.")
+        prefix = prefixes[runs]
         if not self.slot_seen or not self.slot_seen[0]:
             return None
         return 1 + sum(n / d for n, d in zip(prefix, self.slot_seen) if d)
@@ -246,9 +250,9 @@ class DCOCOStats:
             "per_slot_accept": ratio(self.slot_accepted, self.slot_proposed),
             "coverage_top1": ratio(self.slot_top1, self.slot_seen),
             "coverage_topk": ratio(self.slot_topk, self.slot_seen),
-            "argmax_prefix_tau": self.prefix_tau(within_topk=False),
-            "topk_ceiling_tau": self.prefix_tau(within_topk=True),
-            "walk_ceiling_tau": self.prefix_tau(within_topk=True, walk=True),
+            "argmax_prefix_tau": self.prefix_tau("top1"),
+            "topk_ceiling_tau": self.prefix_tau("topk"),
+            "walk_ceiling_tau": self.prefix_tau("walk"),
             "drafter_seconds": self.drafter_seconds,
             "corrector_seconds": self.corrector_seconds,
             "target_seconds": self.target_seconds,

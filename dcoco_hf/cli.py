@@ -437,8 +437,8 @@ def generate_summary(
     else:
         same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
     return "\n".join([
-        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} (blocks of {block_size}: {mean:.2f} drafted tokens accepted per "
-        "verification)",
+        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} (blocks of {block_size}: {mean:.2f} drafted tokens accepted "
+        "per verification)",
         f"plain generate: {speed(plain)}",
         f"speedup {plain.seconds / dcoco.seconds:.2f}x over plain generate (same run); outputs identical: {same}",
     ])

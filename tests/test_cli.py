@@ -149,10 +149,12 @@ def test_coverage_books_the_longest_runs_of_top1_and_topk_slots():
     assert stats.slot_seen == [3, 2, 2] and stats.slot_top1 == [1, 1, 2] and stats.slot_topk == [2, 2, 2]
     assert stats.prefix_top1 == [1, 0, 0] and stats.prefix_topk == [2, 2, 2]
     assert stats.prefix_walk == [1, 1, 1]  # the paper's walk keeps slot 1 at top-1: only the first cycle can go on
-    assert stats.prefix_tau(within_topk=False) == pytest.approx(1 + 1 / 3)
-    assert stats.prefix_tau(within_topk=True) == pytest.approx(1 + 2 / 3 + 2 / 2 + 2 / 2)
-    assert stats.prefix_tau(within_topk=True, walk=True) == pytest.approx(1 + 1 / 3 + 1 / 2 + 1 / 2)
-    assert DCOCOStats(block_size=4, top_k=2).prefix_tau(within_topk=True) is None  # no cycle booked yet
+    assert stats.prefix_tau("top1") == pytest.approx(1 + 1 / 3)
+    assert stats.prefix_tau("topk") == pytest.approx(1 + 2 / 3 + 2 / 2 + 2 / 2)
+    assert stats.prefix_tau("walk") == pytest.approx(1 + 1 / 3 + 1 / 2 + 1 / 2)
+    assert DCOCOStats(block_size=4, top_k=2).prefix_tau("topk") is None  # no cycle booked yet
+    with pytest.raises(ValueError, match="runs='top2' is unknown"):
+        stats.prefix_tau("top2")
 
 
 def test_bench_table_on_stdout(bench_run):
