@@ -85,23 +85,26 @@ class Acceptance:
     """Drafted and accepted tokens of one or more generate() calls.
 
     A cycle is one target forward that verified at least one drafted token. `accepted[i]` is the number of drafted
-    tokens that cycle committed; slot j (0-based) was proposed in `slot_proposed[j]` cycles and accepted in
-    `slot_accepted[j]` of them.
+    tokens that cycle committed; slot j (0-based) was proposed in `slot_proposed[j]` cycles, reached (proposed with
+    every slot before it accepted) in `slot_reached[j]` and accepted in `slot_accepted[j]` of them.
     """
 
     target_forwards: int = 0
     accepted: list[int] = field(default_factory=list)
     slot_proposed: list[int] = field(default_factory=list)
     slot_accepted: list[int] = field(default_factory=list)
+    slot_reached: list[int] = field(default_factory=list)
 
     def add_cycle(self, drafted: int, accepted: int) -> None:
         grow = drafted - len(self.slot_proposed)
         if grow > 0:
             self.slot_proposed += [0] * grow
             self.slot_accepted += [0] * grow
+            self.slot_reached += [0] * grow
         self.accepted.append(accepted)
         for slot in range(drafted):
             self.slot_proposed[slot] += 1
+            self.slot_reached[slot] += slot <= accepted
             self.slot_accepted[slot] += slot < accepted
 
     def merge(self, other: Acceptance) -> Acceptance:
@@ -115,6 +118,7 @@ class Acceptance:
             accepted=self.accepted + other.accepted,
             slot_proposed=add(self.slot_proposed, other.slot_proposed),
             slot_accepted=add(self.slot_accepted, other.slot_accepted),
+            slot_reached=add(self.slot_reached, other.slot_reached),
         )
 
     def accept_hist(self) -> dict[str, int]:
@@ -125,6 +129,14 @@ class Acceptance:
 
     def per_slot_accept(self) -> list[float | None]:
         return [a / p if p else None for a, p in zip(self.slot_accepted, self.slot_proposed)]
+
+    def chain_accept(self) -> list[float | None]:
+        """Per slot, the share accepted of the cycles that reached it (every slot before it accepted).
+
+        tau is about 1 + the sum over j of the products of the first j of these, so they show where a corrector can
+        earn: under the prefix-first walk it changes slots 2 and later, and only in cycles that reach them.
+        """
+        return [a / r if r else None for a, r in zip(self.slot_accepted, self.slot_reached)]
 
 
 def _padded(values: list[int], width: int) -> list[int]:
@@ -472,6 +484,7 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
         "mean_accepted": sum(acceptance.accepted) / len(acceptance.accepted) if acceptance.accepted else None,
         "accept_hist": acceptance.accept_hist(),
         "per_slot_accept": acceptance.per_slot_accept(),
+        "chain_accept": acceptance.chain_accept(),
         "coverage_top1": None,
         "coverage_topk": None,
         "argmax_prefix_tau": None,

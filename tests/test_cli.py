@@ -23,13 +23,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from dcoco_hf import DCOCODrafter, cli
-from dcoco_hf.bench import METHODS, BenchSettings, MethodRunner, format_report, rotated
+from dcoco_hf.bench import METHODS, Acceptance, BenchSettings, MethodRunner, format_report, rotated
 from dcoco_hf.cpu_linear import LAYOUTS
 from dcoco_hf.plots import PLOT_FILES
 
 SPECULATIVE = [m for m in METHODS if m != "vanilla"]
 SUMMARY_KEYS = {
-    "tau", "tokens_per_s", "speedup", "equal_to_vanilla", "accept_hist", "per_slot_accept", "coverage_top1",
+    "tau", "tokens_per_s", "speedup", "equal_to_vanilla", "accept_hist", "per_slot_accept", "chain_accept",
+    "coverage_top1",
     "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau", "corrector_share", "new_tokens",
     "seconds", "prompts",
 }
@@ -178,6 +179,15 @@ def test_bench_plots(bench_run):
     for name in PLOT_FILES:
         path = bench_run.plots / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_chain_acceptance_counts_only_cycles_that_reached_the_slot():
+    books = Acceptance()
+    for drafted, accepted in [(3, 0), (3, 1), (3, 3), (3, 2), (2, 2)]:  # the last cycle was cut short at the end
+        books.add_cycle(drafted, accepted)
+    merged = Acceptance().merge(books)
+    assert merged.per_slot_accept() == [4 / 5, 3 / 5, 1 / 4]
+    assert merged.chain_accept() == [4 / 5, 3 / 4, 1 / 2]  # slot 3 was reached by the cycles accepting 2 and 3
 
 
 def test_forward_trace_agrees_with_dcoco_stats(tiny):
