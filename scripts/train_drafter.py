@@ -53,6 +53,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corrector-hidden", type=int, default=None,
                    help="stage 2 with --init: widen the corrector's transition MLP to this many hidden units; the "
                         "widened corrector scores exactly as before until trained (config `corrector_hidden`)")
+    p.add_argument("--pair-loss", choices=("joint", "successor"), default="joint",
+                   help="stage 2: 'joint' is the paper's cross-entropy over each slot pair's K^2 transitions; "
+                        "'successor' keeps only the part the prefix-first walk uses, the true predecessor's K "
+                        "successors")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None,
                    help="train on these block sizes in turn (DScout's mixed horizons), so one checkpoint drafts each "
                         "of them well; drafting still uses config block_size (default: train on that size alone)")
@@ -77,6 +81,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--corrector-only trains the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
     if args.corrector_hidden is not None and (args.stage != 2 or not args.init):
         p.error("--corrector-hidden widens the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
+    if args.pair_loss != "joint" and args.stage != 2:
+        p.error("--pair-loss chooses the corrector's loss, which stage 1 does not train: use it with --stage 2")
     if args.correct_first_slot and args.stage != 2:
         p.error("--correct-first-slot trains corrector scores, which stage 1 leaves at zero: use it with --stage 2")
     for name, default in NEW_DRAFTER.items():
@@ -121,7 +127,7 @@ def main() -> None:
     )
     model = DrafterTrainingModel(
         drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only,
-        block_sizes=args.block_sizes,
+        block_sizes=args.block_sizes, pair_loss=args.pair_loss,
     )
     pad = target.generation_config.pad_token_id or 0
     trainer = DrafterTrainer(

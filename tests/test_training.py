@@ -14,6 +14,7 @@ from transformers import TrainingArguments
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.training import pack_blocks, sample_anchors, target_context, transition_labels
 from dcoco_hf.training.data import cache_target_features, load_shards
+from dcoco_hf.training.losses import dcoco_loss, successor_loss
 from dcoco_hf.training.objective import drafter_loss, successor_accuracy
 from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
@@ -77,6 +78,30 @@ def test_successor_accuracy_compares_the_drafters_pick_with_the_correctors():
     assert drafter == 0.5 and corrector == 1.0
     drafter, corrector = successor_accuracy(scores, pair_index, torch.tensor([[True, False]]))
     assert drafter == 1.0 and corrector == 1.0
+
+
+def test_joint_pair_loss_is_the_predecessor_row_loss_plus_the_successor_loss():
+    # -log p(a*, b*) = -log p(a*) - log p(b* | a*): the successor loss is the joint loss without the row term.
+    scores = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))  # [R, P, K, K]
+    pair_index = torch.tensor([[1, 6, 15], [4, 9, 2]])
+    usable = torch.ones(2, 3, dtype=torch.bool)
+    row_term = -(scores.logsumexp(-1).log_softmax(-1).gather(-1, (pair_index // 4)[..., None]).squeeze(-1))
+    weights = torch.exp(-torch.arange(3.0) / 4.0).expand(2, 3)
+    row_loss = (row_term * weights).sum() / weights.sum()
+    joint, successor = dcoco_loss(scores, pair_index, usable), successor_loss(scores, pair_index, usable)
+    torch.testing.assert_close(joint, row_loss + successor)
+    # Only the true predecessor's row reaches the successor loss.
+    other_rows = scores.clone()
+    other_rows[0, 0, 0] += 3.0  # pair (0, 0) has predecessor 1
+    assert successor_loss(other_rows, pair_index, usable) == successor_loss(scores, pair_index, usable)
+    assert dcoco_loss(other_rows, pair_index, usable) != dcoco_loss(scores, pair_index, usable)
+
+
+def test_unknown_pair_loss_is_refused():
+    target = make_target("llama")
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    with pytest.raises(ValueError, match="pair_loss='pairwise' is unknown"):
+        DrafterTrainingModel(drafter, target, stage=2, pair_loss="pairwise")
 
 
 def _records(target, n=12, length=30):
@@ -384,3 +409,30 @@ def test_mixed_horizons_train_each_block_size_in_turn_and_leave_the_drafting_siz
     trainer = _trainer(model, tmp_path, steps=2)
     trainer.train()
     assert [entry["block_size"] for entry in trainer.state.log_history if "loss" in entry] == [5, 3]  # forwards 4, 5
+
+
+def test_successor_pair_loss_trains_the_walks_decision(tmp_path):
+    """With `pair_loss="successor"` the corrector learns only the true predecessor's row, and that is enough to pick
+    the true successor more often than the drafter's argmax on the records it sees."""
+    target = make_target("llama")
+    drafter = fit_drafter(target, block_size=4, top_k=4, steps=40)
+    with torch.no_grad():  # fit_drafter trains the corrector jointly; start this one from the untrained corrector
+        drafter.corrector.delta_out.weight.zero_()
+        drafter.corrector.delta_out.bias.zero_()
+    records = _records(target)
+    ids = torch.stack([r["input_ids"] for r in records]).long()
+    mask = torch.stack([r["loss_mask"] for r in records])
+    states, argmax = target_context(target, drafter.config.target_layer_ids, ids)
+
+    def accuracy():
+        with torch.no_grad():
+            out = drafter_loss(drafter, ids, mask, states, argmax, num_anchors=30, pair_loss="successor")
+        return out.successor_accuracy
+
+    drafter_before, corrector_before = accuracy()
+    assert drafter_before == corrector_before < 0.9  # zero output layer: the drafter's own pick
+    model = DrafterTrainingModel(drafter, target, stage=2, num_anchors=8, corrector_only=True, pair_loss="successor")
+    model._records = records
+    _trainer(model, tmp_path, steps=30).train()
+    drafter_after, corrector_after = accuracy()
+    assert drafter_after == drafter_before and corrector_after > corrector_before

@@ -13,6 +13,10 @@ target forward per sequence instead of a slow generation.
 Stage 2, DCOCO (arXiv:2610.12570, section 3.4): the label of an adjacent slot pair (p, p+1) is the target's argmax
 token pair at those positions under teacher forcing, kept only when both tokens are inside their slots' top-K; the loss
 is the cross-entropy over the joint softmax of the pair's K^2 transition scores, weighted exp(-(p-1)/rho), rho = 4.
+
+That joint cross-entropy is the sum of two terms, -log p(a*) - log p(b* | a*): finding the predecessor's row, and the
+successor given it. The prefix-first walk only ever makes the second decision (its predecessor is already chosen), so
+`successor_loss` keeps that term alone (`pair_loss="successor"` in training; the paper's joint loss is the default).
 """
 
 from __future__ import annotations
@@ -155,8 +159,38 @@ def dcoco_loss(
     """
     flat = transition_scores.flatten(-2).float()  # [..., P, K^2]
     ce = F.cross_entropy(flat.flatten(0, -2), pair_index.flatten(), reduction="none").view_as(pair_index.float())
-    weights = slot_weights(transition_scores.shape[-3] + 1, rho, flat.device) * usable
+    return _pair_weighted_mean(ce, usable, rho)
+
+
+def predecessor_rows(
+    transition_scores: torch.Tensor, pair_index: torch.LongTensor
+) -> tuple[torch.Tensor, torch.LongTensor]:
+    """The true predecessor's row of scores [..., P, K] and the true successor's index [..., P], from scores
+    [..., P, K, K] and joint labels a*K + b [..., P]: what the walk sees once it stands on the right predecessor."""
+    k = transition_scores.shape[-1]
+    before, after = pair_index // k, pair_index % k
+    return transition_scores.gather(-2, before[..., None, None].expand(*before.shape, 1, k)).squeeze(-2), after
+
+
+def successor_loss(
+    transition_scores: torch.Tensor, pair_index: torch.LongTensor, usable: torch.BoolTensor, rho: float = 4.0
+) -> torch.Tensor:
+    """Cross-entropy over the K successors of the true predecessor (the walk's decision), weighted as `dcoco_loss`.
+
+    transition_scores [..., P, K, K]; pair_index / usable [..., P].
+    """
+    rows, after = predecessor_rows(transition_scores, pair_index)  # [..., P, K], [..., P]
+    ce = F.cross_entropy(rows.float().flatten(0, -2), after.flatten(), reduction="none").view_as(after.float())
+    return _pair_weighted_mean(ce, usable, rho)
+
+
+def _pair_weighted_mean(ce: torch.Tensor, usable: torch.BoolTensor, rho: float) -> torch.Tensor:
+    """Mean of per-pair losses [..., P] over usable pairs, pair p weighted exp(-(p-1)/rho)."""
+    weights = slot_weights(ce.shape[-1] + 1, rho, ce.device) * usable
     return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+
+
+PAIR_LOSSES = {"joint": dcoco_loss, "successor": successor_loss}
 
 
 def first_slot_loss(first_slot_scores: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:

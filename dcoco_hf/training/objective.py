@@ -11,12 +11,13 @@ import torch
 
 from ..candidate_generator import TargetTap
 from .losses import (
+    PAIR_LOSSES,
     candidate_index,
-    dcoco_loss,
     default_gamma,
     dflash_loss,
     first_slot_loss,
     pack_blocks,
+    predecessor_rows,
     sample_anchors,
     transition_labels,
 )
@@ -69,6 +70,7 @@ def drafter_loss(
     dcoco: bool = True,
     generator: torch.Generator | None = None,
     block_size: int | None = None,
+    pair_loss: str = "joint",
 ) -> DrafterLoss:
     """The stage-1 DFlash loss, plus the stage-2 DCOCO loss when `dcoco` (both labelled by the target's argmax).
 
@@ -76,7 +78,10 @@ def drafter_loss(
     [N, T, n_layers * H]; both come from `target_context` or a feature cache. `block_size` (default: the drafter's
     drafting block, `config.block_size`) sets the training blocks; nothing in the weights depends on it, so one
     checkpoint can be trained on several sizes (DScout's mixed horizons, see `DrafterTrainingModel`).
+    `pair_loss`: "joint" (the paper's K^2 softmax) or "successor" (the true predecessor's row only, see losses).
     """
+    if pair_loss not in PAIR_LOSSES:
+        raise ValueError(f"pair_loss={pair_loss!r} is unknown; choose one of {sorted(PAIR_LOSSES)}.")
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
@@ -120,7 +125,7 @@ def drafter_loss(
         candidate_logits.flatten(0, 1)[rows],
     )  # [R, S-1, K, K]
     pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
-    stage2 = dcoco_loss(scores, pair_index, usable, rho)
+    stage2 = PAIR_LOSSES[pair_loss](scores, pair_index, usable, rho)
     first_accuracy = None
     if cfg.correct_first_slot:
         index, found = candidate_index(candidates[:, :, 0], blocks.labels[:, :, 0], labelled[:, :, 0])  # [N, m]
@@ -150,9 +155,7 @@ def successor_accuracy(
     transition_scores [R, P, K, K]; pair_index / usable [R, P] from `transition_labels`. Candidates are sorted by
     drafter logit, so the drafter's pick is candidate 0; the corrector's is the best entry of the predecessor's row.
     """
-    k = transition_scores.shape[-1]
-    before, after = pair_index // k, pair_index % k  # [R, P]
-    row = transition_scores.gather(-2, before[..., None, None].expand(*before.shape, 1, k)).squeeze(-2)  # [R, P, K]
+    row, after = predecessor_rows(transition_scores, pair_index)  # [R, P, K], [R, P]
     drafter = (after == 0)[usable].float().mean()
     corrector = (row.argmax(-1) == after)[usable].float().mean()
     return drafter, corrector

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from .losses import PAIR_LOSSES
 from .objective import drafter_loss, target_context
 
 
@@ -32,11 +33,14 @@ class DrafterTrainingModel(nn.Module):
     a slot attends to every later mask slot of its block, so a drafter trained on one size drafts others less well.
     Default: the drafting size `config.block_size` alone. A size above the drafter's largest is recorded as
     `config.max_block_size`.
+
+    `pair_loss` (stage 2): "joint", the paper's cross-entropy over each pair's K^2 transitions, or "successor", over
+    the true predecessor's K successors only (the one decision the prefix-first walk makes).
     """
 
     def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
                  gamma: float | None = None, rho: float = 4.0, corrector_only: bool = False,
-                 block_sizes: Sequence[int] | None = None) -> None:
+                 block_sizes: Sequence[int] | None = None, pair_loss: str = "joint") -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: use 1 (DFlash) or 2 (joint DFlash + DCOCO).")
@@ -52,7 +56,10 @@ class DrafterTrainingModel(nn.Module):
                              "(non-PEFT) drafter.")
         self.drafter = drafter
         self.__dict__["target"] = target.eval().requires_grad_(False)  # unregistered: never saved, never wrapped
+        if pair_loss not in PAIR_LOSSES:
+            raise ValueError(f"pair_loss={pair_loss!r} is unknown; choose one of {sorted(PAIR_LOSSES)}.")
         self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
+        self.pair_loss = pair_loss
         if corrector_only:
             drafter.requires_grad_(False)  # the corrector is switched back on just below
         # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone. A PEFT
@@ -73,6 +80,7 @@ class DrafterTrainingModel(nn.Module):
         out = drafter_loss(
             self.drafter, input_ids, loss_mask, context_states.to(self.drafter.dtype),
             target_argmax, self.num_anchors, self.gamma, self.rho, dcoco=self.stage == 2, block_size=block_size,
+            pair_loss=self.pair_loss,
         )
         return {
             "loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy,
