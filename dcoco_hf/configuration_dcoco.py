@@ -39,8 +39,6 @@ class DCOCOConfig(PreTrainedConfig):
         top_k: candidates kept per slot by the corrector (K).
         corrector_rank: width r of the candidate representations and slot-pair state.
         corrector_hidden: hidden width of the transition MLP (3r + 2 -> corrector_hidden -> 1).
-        corrector_bilinear_rank: width q of the corrector's bilinear term <U z_p^a, V z_{p+1}^b> (our extension,
-            dcoco_hf/corrector.py); 0, the default and the paper's corrector, has none.
         selection: how the block is read off the transition scores: "greedy" (the paper's prefix-first walk),
             "viterbi" (best global path, paper's control) or "geometric" (global path with transitions weighted by
             `geometric_lambda ** p`, paper's second control).
@@ -83,7 +81,6 @@ class DCOCOConfig(PreTrainedConfig):
     top_k: int = 16
     corrector_rank: int = 128
     corrector_hidden: int = 256
-    corrector_bilinear_rank: int = 0
     selection: str = "greedy"
     geometric_lambda: float = 0.75
     correct_first_slot: bool = False
@@ -115,7 +112,6 @@ class DCOCOConfig(PreTrainedConfig):
         top_k: int = 16,
         corrector_rank: int = 128,
         corrector_hidden: int = 256,
-        corrector_bilinear_rank: int = 0,
         selection: str = "greedy",
         geometric_lambda: float = 0.75,
         correct_first_slot: bool = False,
@@ -154,7 +150,6 @@ class DCOCOConfig(PreTrainedConfig):
         self.top_k = top_k
         self.corrector_rank = corrector_rank
         self.corrector_hidden = corrector_hidden
-        self.corrector_bilinear_rank = corrector_bilinear_rank
         self.selection = selection
         self.geometric_lambda = geometric_lambda
         self.correct_first_slot = bool(correct_first_slot)
@@ -193,10 +188,6 @@ class DCOCOConfig(PreTrainedConfig):
             raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}.")
         if not 0.0 < self.geometric_lambda <= 1.0:
             raise ValueError(f"geometric_lambda={self.geometric_lambda} must lie in (0, 1].")
-        if self.corrector_bilinear_rank < 0:
-            raise ValueError(
-                f"corrector_bilinear_rank={self.corrector_bilinear_rank} must be >= 0 (0: no bilinear term)."
-            )
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
         if self.draft_vocab_size is not None and not self.top_k <= self.draft_vocab_size <= self.vocab_size:

@@ -21,11 +21,6 @@ with slot 1's, z_0 is the anchor token's representation, and the anchor has no d
 from argmax_b S_0 instead of the drafter argmax. With short blocks most of the top-K headroom sits at slot 1, which
 the paper's walk cannot touch; a zero Delta still returns the drafter's argmax.
 
-Our second extension (`DCOCOConfig.corrector_bilinear_rank` q, 0 by default): Delta gains a low-rank bilinear term
-<U z_p^a, V z_{p+1}^b>, q-dimensional, with V starting at zero. Whether b may follow a is a multiplicative relation of
-the two candidates, which a sum of per-group projections through one GELU layer approximates only with many units;
-the bilinear term states it directly, for O(P K^2 q) more work.
-
 The first layer of Delta is stored as four linear maps, one per input group ([s_p], [z_p^a], [z_{p+1}^b],
 [l_p(a), l_{p+1}(b)]). That is the same 3r+2 -> hidden affine map with the same parameter count, but the batched op
 then costs O(P K hidden) for the projections plus one broadcast add, instead of a matmul over P K^2 concatenated rows.
@@ -45,14 +40,11 @@ class DCOCOCorrector(nn.Module):
         hidden_size: width H of the drafter hidden states and of the target embedding.
         rank: width r of candidate representations and slot-pair states (paper: 128).
         mlp_hidden: hidden width of the transition MLP Delta (paper: 256).
-        bilinear_rank: width q of the bilinear term <U z_p^a, V z_{p+1}^b> added to Delta (our extension; 0: none,
-            as in the paper).
     """
 
-    def __init__(self, hidden_size: int, rank: int = 128, mlp_hidden: int = 256, bilinear_rank: int = 0) -> None:
+    def __init__(self, hidden_size: int, rank: int = 128, mlp_hidden: int = 256) -> None:
         super().__init__()
         self.rank = rank
-        self.bilinear_rank = bilinear_rank
         self.cand_proj = nn.Linear(hidden_size, rank, bias=False)  # W_cand
         self.ctx_proj = nn.Linear(hidden_size, rank, bias=False)  # W_ctx
         self.fuse_proj = nn.Linear(2 * rank, rank, bias=False)  # W_fuse
@@ -68,38 +60,24 @@ class DCOCOCorrector(nn.Module):
         self.delta_out.zero_init = True  # honoured by DCOCOPreTrainedModel._init_weights
         nn.init.zeros_(self.delta_out.weight)
         nn.init.zeros_(self.delta_out.bias)
-        if bilinear_rank:
-            self.bilinear_prev = nn.Linear(rank, bilinear_rank, bias=False)  # U
-            self.bilinear_next = nn.Linear(rank, bilinear_rank, bias=False)  # V: zero at start, like delta_out
-            self.bilinear_next.zero_init = True
-            nn.init.zeros_(self.bilinear_next.weight)
 
-    def widened(self, mlp_hidden: int | None = None, bilinear_rank: int | None = None) -> "DCOCOCorrector":
-        """A copy with `mlp_hidden` hidden units in Delta and a bilinear term of width `bilinear_rank` (None: keep
-        this one's), which scores every transition exactly as this one does.
+    def widened(self, mlp_hidden: int) -> "DCOCOCorrector":
+        """A copy whose Delta has `mlp_hidden` hidden units and scores every transition exactly as this one does.
 
-        The old units are copied; the new ones get fresh input weights and a zero output weight (new bilinear
-        dimensions: a zero V), the same start as the zero-initialised output layer, so they change nothing until
-        trained. Used to give a trained corrector more capacity without losing what it learned.
+        The old units are copied; the new ones get fresh input weights and a zero output weight, the same start as
+        the zero-initialised output layer, so they change nothing until trained. Used to give a trained corrector
+        more capacity without losing what it learned.
         """
-        old_hidden, old_rank = self.delta_out.in_features, self.bilinear_rank
-        mlp_hidden = old_hidden if mlp_hidden is None else mlp_hidden
-        bilinear_rank = old_rank if bilinear_rank is None else bilinear_rank
-        if mlp_hidden < old_hidden or bilinear_rank < old_rank:
-            raise ValueError(f"mlp_hidden={mlp_hidden}, bilinear_rank={bilinear_rank} is below the current "
-                             f"{old_hidden}, {old_rank}: widening only adds units.")
-        wide = DCOCOCorrector(self.pair_proj.in_features // 2, self.rank, mlp_hidden, bilinear_rank)
-        wide = wide.to(self.delta_out.weight)
+        old_hidden = self.delta_out.in_features
+        if mlp_hidden < old_hidden:
+            raise ValueError(f"mlp_hidden={mlp_hidden} is below the current {old_hidden}: widening only adds units.")
+        wide = DCOCOCorrector(self.pair_proj.in_features // 2, self.rank, mlp_hidden).to(self.delta_out.weight)
         state = wide.state_dict()
         for name, tensor in self.state_dict().items():
             if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits")):  # [hidden, in] / [hidden]
                 state[name][:old_hidden] = tensor
             elif name == "delta_out.weight":  # [1, hidden]
                 state[name].zero_()[:, :old_hidden] = tensor
-            elif name == "bilinear_next.weight":  # [q, r]
-                state[name].zero_()[:old_rank] = tensor
-            elif name == "bilinear_prev.weight":
-                state[name][:old_rank] = tensor
             else:
                 state[name].copy_(tensor)
         wide.load_state_dict(state)
@@ -174,8 +152,6 @@ class DCOCOCorrector(nn.Module):
             + (self.delta_next(z_next) + next_logits[..., None] * w[:, 1])[:, :, None, :, :]  # [B, P, 1, Kb, hidden]
         )
         delta = self.delta_out(F.gelu(hidden)).squeeze(-1)  # [B, P, Ka, Kb]
-        if self.bilinear_rank:
-            delta = delta + self.bilinear_prev(z_prev) @ self.bilinear_next(z_next).transpose(-1, -2)  # [B,P,Ka,Kb]
         return next_logits[:, :, None, :] + delta
 
 

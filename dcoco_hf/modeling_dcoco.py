@@ -180,10 +180,9 @@ class DCOCOPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if getattr(module, "zero_init", False):  # the corrector's output maps: untrained = plain DFlash argmax
+        if getattr(module, "zero_init", False):  # the corrector's output layer: untrained = plain DFlash argmax
             init.zeros_(module.weight)
-            if module.bias is not None:
-                init.zeros_(module.bias)
+            init.zeros_(module.bias)
 
 
 class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
@@ -205,9 +204,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList([DCOCODecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.corrector = DCOCOCorrector(
-            config.hidden_size, config.corrector_rank, config.corrector_hidden, config.corrector_bilinear_rank
-        )
+        self.corrector = DCOCOCorrector(config.hidden_size, config.corrector_rank, config.corrector_hidden)
         # Saved with the weights when the config has a draft vocabulary; None proposes from the whole vocabulary.
         size = config.draft_vocab_size
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)

@@ -53,9 +53,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corrector-hidden", type=int, default=None,
                    help="stage 2 with --init: widen the corrector's transition MLP to this many hidden units; the "
                         "widened corrector scores exactly as before until trained (config `corrector_hidden`)")
-    p.add_argument("--corrector-bilinear-rank", type=int, default=None,
-                   help="stage 2 with --init: give the corrector a bilinear term of this width (or widen it), which "
-                        "scores exactly as before until trained (config `corrector_bilinear_rank`)")
     p.add_argument("--pair-loss", choices=("joint", "successor"), default="joint",
                    help="stage 2: 'joint' is the paper's cross-entropy over each slot pair's K^2 transitions; "
                         "'successor' keeps only the part the prefix-first walk uses, the true predecessor's K "
@@ -82,10 +79,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"{flags}: these shape a new drafter, but --init {args.init} brings its own architecture; drop them")
     if args.corrector_only and (args.stage != 2 or not args.init):
         p.error("--corrector-only trains the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
-    for flag in ("corrector_hidden", "corrector_bilinear_rank"):
-        if getattr(args, flag) is not None and (args.stage != 2 or not args.init):
-            p.error(f"--{flag.replace('_', '-')} widens the corrector of an existing drafter: use it with --stage 2 "
-                    "--init FOLDER")
+    if args.corrector_hidden is not None and (args.stage != 2 or not args.init):
+        p.error("--corrector-hidden widens the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
     if args.pair_loss != "joint" and args.stage != 2:
         p.error("--pair-loss chooses the corrector's loss, which stage 1 does not train: use it with --stage 2")
     if args.correct_first_slot and args.stage != 2:
@@ -103,10 +98,9 @@ def main() -> None:
     if args.init:
         drafter = DCOCODrafter.from_pretrained(args.init).attach(target)
         drafter.config.correct_first_slot |= args.correct_first_slot
-        if args.corrector_hidden is not None or args.corrector_bilinear_rank is not None:
-            drafter.corrector = drafter.corrector.widened(args.corrector_hidden, args.corrector_bilinear_rank)
-            drafter.config.corrector_hidden = drafter.corrector.delta_out.in_features
-            drafter.config.corrector_bilinear_rank = drafter.corrector.bilinear_rank
+        if args.corrector_hidden is not None:
+            drafter.corrector = drafter.corrector.widened(args.corrector_hidden)
+            drafter.config.corrector_hidden = args.corrector_hidden
     elif args.stage == 2:
         raise SystemExit("--stage 2 starts from a stage-1 drafter: pass --init runs/stage1/final")
     else:

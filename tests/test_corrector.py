@@ -10,7 +10,7 @@ import torch
 from conftest import scrambled
 from torch.nn import functional as F
 
-from dcoco_hf import DCOCOCorrector, DCOCODrafter, prefix_first_walk, select_candidates, viterbi_walk
+from dcoco_hf import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 
@@ -45,23 +45,17 @@ def _propose(drafter, sequences, states, cut: int, **kwargs):
     return drafter.propose(sequences[:, cut - 1], states[:, : cut - 1], positions, DraftContextCache(), **kwargs)
 
 
-@pytest.mark.parametrize(
-    "first_slot, bilinear", [(False, 0), (True, 0), (True, 8)], ids=["paper", "correct_first_slot", "bilinear"]
-)
+@pytest.mark.parametrize("first_slot", [False, True], ids=["paper", "correct_first_slot"])
 @pytest.mark.parametrize("arch", ["llama"], indirect=True)
-def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot, bilinear):
-    """A new corrector (zero output layer, zero V) on a fitted drafter proposes exactly the DFlash argmax, for every
-    walk, also when it scores the anchor -> slot 1 transitions or has a bilinear term."""
+def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
+    """A new corrector (zero output layer) on a fitted drafter proposes exactly the DFlash argmax, for every walk,
+    also when it scores the anchor -> slot 1 transitions."""
     target, trained = fitted
-    cfg = copy.deepcopy(trained.config)
-    cfg.correct_first_slot, cfg.corrector_bilinear_rank = first_slot, bilinear
-    drafter = DCOCODrafter(cfg)  # a fresh corrector, initialised as from_pretrained / from_target would
-    drafter.load_state_dict({k: v for k, v in trained.state_dict().items() if not k.startswith("corrector.")},
-                            strict=False)
-    drafter.attach(target).eval()
+    drafter = copy.deepcopy(trained).attach(target)
+    cfg = drafter.config
+    cfg.correct_first_slot = first_slot
+    drafter.corrector = DCOCOCorrector(cfg.hidden_size, cfg.corrector_rank, cfg.corrector_hidden)
     assert not drafter.corrector.delta_out.weight.any() and not drafter.corrector.delta_out.bias.any()
-    if bilinear:
-        assert not drafter.corrector.bilinear_next.weight.any() and drafter.corrector.bilinear_prev.weight.any()
     noisy = scrambled(drafter, seed=1)
 
     sequences, states = _contexts(target, drafter)
@@ -109,9 +103,9 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot, bilinear):
 # ---------------------------------------------------------------------------------------------------- scores
 
 
-def _random_corrector(hidden: int, rank: int, mlp: int, bilinear: int = 0) -> DCOCOCorrector:
-    """A float64 corrector whose every parameter (delta_out, V and the LayerNorm affine included) is random."""
-    corrector = DCOCOCorrector(hidden, rank, mlp, bilinear).double()
+def _random_corrector(hidden: int, rank: int, mlp: int) -> DCOCOCorrector:
+    """A float64 corrector whose every parameter (delta_out and the LayerNorm affine included) is random."""
+    corrector = DCOCOCorrector(hidden, rank, mlp).double()
     with torch.no_grad():
         for param in corrector.parameters():
             param.copy_(torch.randn(param.shape, dtype=torch.float64))
@@ -127,24 +121,20 @@ def _naive_z(c: DCOCOCorrector, embed: torch.Tensor, h: torch.Tensor) -> torch.T
 
 
 def _naive_score(c, h_prev, h_next, z_prev, z_next, l_prev, l_next) -> torch.Tensor:
-    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next]) on one concatenated row,
-    plus <U z_prev, V z_next> when the corrector has a bilinear term."""
+    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next]) on one concatenated row."""
     first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
     assert first_w.shape == (c.delta_pair.out_features, 3 * c.rank + 2)
     s = c.pair_proj.weight @ torch.cat([h_prev, h_next])
     x = torch.cat([s, z_prev, z_next, l_prev.reshape(1), l_next.reshape(1)])
     assert x.shape == (3 * c.rank + 2,)
     delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
-    if c.bilinear_rank:
-        delta = delta + (c.bilinear_prev.weight @ z_prev) @ (c.bilinear_next.weight @ z_next)
     return l_next + delta.squeeze()
 
 
-@pytest.mark.parametrize("bilinear", [0, 3])
-def test_batched_scores_equal_naive_concatenation(bilinear):
+def test_batched_scores_equal_naive_concatenation():
     torch.manual_seed(0)
     hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
-    c = _random_corrector(hidden, rank, mlp, bilinear)
+    c = _random_corrector(hidden, rank, mlp)
     slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
     embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
     logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
@@ -161,12 +151,11 @@ def test_batched_scores_equal_naive_concatenation(bilinear):
     torch.testing.assert_close(batched, naive, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("bilinear", [0, 3])
-def test_first_slot_scores_equal_naive_concatenation(bilinear):
+def test_first_slot_scores_equal_naive_concatenation():
     """S_0(anchor, b) is the pair formula with the anchor as a one-candidate predecessor whose logit input is 0."""
     torch.manual_seed(1)
     hidden, rank, mlp, batch, k = 12, 5, 7, 3, 4
-    c = _random_corrector(hidden, rank, mlp, bilinear)
+    c = _random_corrector(hidden, rank, mlp)
     anchor_hidden, first_hidden = torch.randn(2, batch, hidden, dtype=torch.float64) * 3
     anchor_embed = torch.randn(batch, hidden, dtype=torch.float64) * 0.1
     embeds = torch.randn(batch, k, hidden, dtype=torch.float64) * 0.1
@@ -185,13 +174,12 @@ def test_first_slot_scores_equal_naive_concatenation(bilinear):
 
 
 def test_widened_corrector_scores_as_before_until_trained():
-    """Widening Delta and its bilinear term keeps every score (pairs and first slot); the new units then train like
-    any other."""
+    """Widening Delta keeps every score (pairs and first slot); the new units then train like any other."""
     torch.manual_seed(2)
     hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
-    c = _random_corrector(hidden, rank, mlp, bilinear=2)
-    wide = c.widened(11, bilinear_rank=5)
-    assert wide.delta_out.in_features == 11 and wide.delta_pair.out_features == 11 and wide.bilinear_rank == 5
+    c = _random_corrector(hidden, rank, mlp)
+    wide = c.widened(11)
+    assert wide.delta_out.in_features == 11 and wide.delta_pair.out_features == 11
     slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
     embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
     logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
@@ -200,17 +188,11 @@ def test_widened_corrector_scores_as_before_until_trained():
     torch.testing.assert_close(wide.first_slot_scores(*first), c.first_slot_scores(*first), rtol=0, atol=1e-12)
     wide(slot_hidden, embeds, logits).sum().backward()
     assert wide.delta_out.weight.grad[0, mlp:].abs().min() > 0  # the new units get gradient from the first step
-    assert wide.bilinear_next.weight.grad[2:].abs().min() > 0
-    for name, new in [("delta_out", (0, slice(mlp, None))), ("bilinear_next", (slice(2, None),))]:
-        changed = copy.deepcopy(wide)
-        with torch.no_grad():
-            getattr(changed, name).weight[new] = 1.0
-        assert not torch.allclose(changed(slot_hidden, embeds, logits), c(slot_hidden, embeds, logits)), name
-    assert c.widened().bilinear_rank == 2 and c.widened().delta_out.in_features == mlp  # None keeps each width
+    with torch.no_grad():
+        wide.delta_out.weight[0, mlp:] = 1.0
+    assert not torch.allclose(wide(slot_hidden, embeds, logits), c(slot_hidden, embeds, logits))
     with pytest.raises(ValueError, match="only adds units"):
         c.widened(mlp - 1)
-    with pytest.raises(ValueError, match="only adds units"):
-        c.widened(bilinear_rank=1)
 
 
 # ---------------------------------------------------------------------------------------------------- walks
