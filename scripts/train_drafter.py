@@ -23,6 +23,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.training.data import cache_target_features, load_shards
+from dcoco_hf.training.losses import PAIR_LOSSES
 from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 
@@ -53,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corrector-hidden", type=int, default=None,
                    help="stage 2 with --init: widen the corrector's transition MLP to this many hidden units; the "
                         "widened corrector scores exactly as before until trained (config `corrector_hidden`)")
-    p.add_argument("--pair-loss", choices=("joint", "successor"), default="joint",
+    p.add_argument("--pair-loss", choices=sorted(PAIR_LOSSES), default="joint",
                    help="stage 2: 'joint' is the paper's cross-entropy over each slot pair's K^2 transitions; "
                         "'successor' keeps only the part the prefix-first walk uses, the true predecessor's K "
                         "successors")

@@ -112,6 +112,20 @@ def _records(target, n=12, length=30):
     return [{"input_ids": s.to(torch.int32), "loss_mask": m} for s, m in zip(seqs, mask)]
 
 
+def _loss_on(records, drafter, target):
+    """The drafter's objective on all `records` at once, every call with the same anchors (30 per record): a
+    before / after measurement around training."""
+    ids = torch.stack([r["input_ids"] for r in records]).long()
+    mask = torch.stack([r["loss_mask"] for r in records])
+    states, argmax = target_context(target, drafter.config.target_layer_ids, ids)
+
+    def evaluate(**kwargs):
+        with torch.no_grad():
+            return drafter_loss(drafter, ids, mask, states, argmax, num_anchors=30, **kwargs)
+
+    return evaluate
+
+
 def _trainer(model, tmp_path, steps, **kw):
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps, learning_rate=3e-3,
@@ -360,13 +374,10 @@ def test_first_slot_training_teaches_the_corrector_to_re_select_slot_1(tmp_path)
     target = make_target("llama")
     drafter = fit_drafter(target, block_size=2, top_k=4, steps=40)
     records = _records(target)
-    ids = torch.stack([r["input_ids"] for r in records]).long()
-    mask = torch.stack([r["loss_mask"] for r in records])
-    states, argmax = target_context(target, drafter.config.target_layer_ids, ids)
+    evaluate = _loss_on(records, drafter, target)
 
     def first_slot_accuracy():
-        with torch.no_grad():
-            return drafter_loss(drafter, ids, mask, states, argmax, num_anchors=30).first_slot_accuracy
+        return evaluate().first_slot_accuracy
 
     assert first_slot_accuracy() is None  # the paper's corrector does not touch slot 1
     drafter.config.correct_first_slot = True
@@ -420,14 +431,10 @@ def test_successor_pair_loss_trains_the_walks_decision(tmp_path):
         drafter.corrector.delta_out.weight.zero_()
         drafter.corrector.delta_out.bias.zero_()
     records = _records(target)
-    ids = torch.stack([r["input_ids"] for r in records]).long()
-    mask = torch.stack([r["loss_mask"] for r in records])
-    states, argmax = target_context(target, drafter.config.target_layer_ids, ids)
+    evaluate = _loss_on(records, drafter, target)
 
     def accuracy():
-        with torch.no_grad():
-            out = drafter_loss(drafter, ids, mask, states, argmax, num_anchors=30, pair_loss="successor")
-        return out.successor_accuracy
+        return evaluate(pair_loss="successor").successor_accuracy
 
     drafter_before, corrector_before = accuracy()
     assert drafter_before == corrector_before < 0.9  # zero output layer: the drafter's own pick

@@ -22,6 +22,7 @@ successor given it. The prefix-first walk only ever makes the second decision (i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +192,13 @@ def _pair_weighted_mean(ce: torch.Tensor, usable: torch.BoolTensor, rho: float) 
 
 
 PAIR_LOSSES = {"joint": dcoco_loss, "successor": successor_loss}
+
+
+def pair_loss_fn(name: str) -> Callable[..., torch.Tensor]:
+    """The stage-2 pair loss called `name` ("joint" or "successor"); an unknown name is refused."""
+    if name not in PAIR_LOSSES:
+        raise ValueError(f"pair_loss={name!r} is unknown; choose one of {sorted(PAIR_LOSSES)}.")
+    return PAIR_LOSSES[name]
 
 
 def first_slot_loss(first_slot_scores: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:

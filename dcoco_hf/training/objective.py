@@ -11,12 +11,12 @@ import torch
 
 from ..candidate_generator import TargetTap
 from .losses import (
-    PAIR_LOSSES,
     candidate_index,
     default_gamma,
     dflash_loss,
     first_slot_loss,
     pack_blocks,
+    pair_loss_fn,
     predecessor_rows,
     sample_anchors,
     transition_labels,
@@ -80,8 +80,7 @@ def drafter_loss(
     checkpoint can be trained on several sizes (DScout's mixed horizons, see `DrafterTrainingModel`).
     `pair_loss`: "joint" (the paper's K^2 softmax) or "successor" (the true predecessor's row only, see losses).
     """
-    if pair_loss not in PAIR_LOSSES:
-        raise ValueError(f"pair_loss={pair_loss!r} is unknown; choose one of {sorted(PAIR_LOSSES)}.")
+    pair_loss_of = pair_loss_fn(pair_loss)
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
@@ -125,7 +124,7 @@ def drafter_loss(
         candidate_logits.flatten(0, 1)[rows],
     )  # [R, S-1, K, K]
     pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
-    stage2 = PAIR_LOSSES[pair_loss](scores, pair_index, usable, rho)
+    stage2 = pair_loss_of(scores, pair_index, usable, rho)
     first_accuracy = None
     if cfg.correct_first_slot:
         index, found = candidate_index(candidates[:, :, 0], blocks.labels[:, :, 0], labelled[:, :, 0])  # [N, m]

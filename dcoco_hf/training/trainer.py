@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .losses import PAIR_LOSSES
+from .losses import pair_loss_fn
 from .objective import drafter_loss, target_context
 
 
@@ -56,8 +56,7 @@ class DrafterTrainingModel(nn.Module):
                              "(non-PEFT) drafter.")
         self.drafter = drafter
         self.__dict__["target"] = target.eval().requires_grad_(False)  # unregistered: never saved, never wrapped
-        if pair_loss not in PAIR_LOSSES:
-            raise ValueError(f"pair_loss={pair_loss!r} is unknown; choose one of {sorted(PAIR_LOSSES)}.")
+        pair_loss_fn(pair_loss)  # refuse an unknown name now rather than at the first training step
         self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
         self.pair_loss = pair_loss
         if corrector_only:
