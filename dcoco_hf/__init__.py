@@ -12,7 +12,7 @@ from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
 from .configuration_dcoco import DCOCOConfig
 from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
-from .corrector import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from .corrector import DCOCOCorrector, bigram_seen, prefix_first_walk, select_candidates, viterbi_walk
 from .generation import SpeculativeOutput, speculative_generate
 from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
 
@@ -33,6 +33,7 @@ __all__ = [
     "FewRowsLinear",
     "SpeculativeOutput",
     "TargetTap",
+    "bigram_seen",
     "choose_block_size",
     "prefix_first_walk",
     "restore_linear",

@@ -93,7 +93,7 @@ def time_cycles(
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows
         block = positions[:, context_length : context_length + min(block_sizes)]
         drafter.propose(ids[0, -1:], states[:, :context_length], torch.cat([positions[:, :context_length], block], 1),
-                        draft_cache)
+                        draft_cache, context_ids=ids[:, :context_length])
 
     def cycle(block_size: int) -> float:
         sync()
@@ -101,7 +101,9 @@ def time_cycles(
         target(input_ids=ids[:, context_length : context_length + block_size], cache=target_cache, use_cache=True)
         with block_size_for_call(drafter, block_size):
             cycle_positions = positions[:, context_length : context_length + new_rows + block_size]
-            drafter.propose(ids[0, -1:], states[:, context_length:], cycle_positions, draft_cache)
+            drafter.propose(
+                ids[0, -1:], states[:, context_length:], cycle_positions, draft_cache, context_ids=ids[:, :context_length]
+            )
         sync()
         seconds = time.perf_counter() - start
         target_cache.crop(-block_size)  # transformers 5 crops by the count removed

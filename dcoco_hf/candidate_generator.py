@@ -317,7 +317,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         block_positions = torch.arange(length - 1, length - 1 + self.drafter.config.block_size, device=input_ids.device)
         position_ids = torch.cat([positions, block_positions])[None]
         proposal = self.drafter.propose(
-            committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct
+            committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
+            context_ids=committed[None],
         )
         limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
         tokens = proposal.tokens[:, :limit]

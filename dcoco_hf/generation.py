@@ -190,6 +190,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     out = torch.cat([input_ids, pad.expand(batch, max_new + slots + 1)], dim=1)
     written = torch.zeros(batch, dtype=torch.long, device=device)  # [B] new tokens committed so far
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()  # [B, L] key mask
+    prompt_valid = mask.bool()  # [B, L] real prompt tokens (the corrector's context bigrams skip padding)
     rows = torch.arange(batch, device=device)  # [b] original row of each active row
     cache = DynamicCache(config=target.config)
     dcache = DraftContextCache()
@@ -221,8 +222,10 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         # Draft: one drafter forward per cycle for all active rows.
         block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
         draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
+        context_ids, context_valid = _committed(out, prompt_valid, written, rows)
         proposal = drafter.propose(
-            anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection, correct=correct
+            anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection, correct=correct,
+            context_ids=context_ids, context_valid=context_valid,
         )
         dmask = torch.cat([dmask, ctx_mask], dim=1)  # [b, cached + N]
         drafts = proposal.tokens  # [b, S]
@@ -342,6 +345,15 @@ def _commit(out, written, prompt_len, tokens, counts, max_new, eos, pad, rows) -
     new = keep.sum(1)
     written[rows] += new
     return hit_eos | (written[rows] >= max_new), new
+
+
+def _committed(out, prompt_valid, written, rows) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Each active row's committed tokens: out[rows] [b, W] and where they are real (prompt, not padding; then the
+    written tokens, anchor included) [b, W]."""
+    prompt_len = prompt_valid.shape[1]
+    new_columns = torch.arange(out.shape[1] - prompt_len, device=out.device)  # [W - L]
+    valid = torch.cat([prompt_valid[rows], new_columns < written[rows][:, None]], dim=1)
+    return out[rows], valid
 
 
 def _drop_finished(rows: torch.LongTensor, finished: list[int]) -> tuple[torch.LongTensor, torch.LongTensor | None]:

@@ -51,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--correct-first-slot", action="store_true",
                    help="stage 2: train (and ship) the anchor -> slot 1 transitions too, so the walk may re-select "
                         "slot 1 (config `correct_first_slot`; adds no weights, so it goes with --init)")
+    p.add_argument("--context-bigrams", action="store_true",
+                   help="stage 2 with --init: the corrector also reads whether each candidate pair occurs in the "
+                        "committed text (config `context_bigrams`; its new weights start at zero, so the scores "
+                        "start as before)")
     p.add_argument("--corrector-hidden", type=int, default=None,
                    help="stage 2 with --init: widen the corrector's transition MLP to this many hidden units; the "
                         "widened corrector scores exactly as before until trained (config `corrector_hidden`)")
@@ -84,6 +88,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--corrector-hidden widens the corrector of an existing drafter: use it with --stage 2 --init FOLDER")
     if args.pair_loss != "joint" and args.stage != 2:
         p.error("--pair-loss chooses the corrector's loss, which stage 1 does not train: use it with --stage 2")
+    if args.context_bigrams and (args.stage != 2 or not args.init):
+        p.error("--context-bigrams adds an input to the corrector of an existing drafter: use it with --stage 2 --init")
     if args.correct_first_slot and args.stage != 2:
         p.error("--correct-first-slot trains corrector scores, which stage 1 leaves at zero: use it with --stage 2")
     for name, default in NEW_DRAFTER.items():
@@ -97,7 +103,8 @@ def main() -> None:
     target_path = args.target or default_target_path()
     target = AutoModelForCausalLM.from_pretrained(target_path).eval().requires_grad_(False)
     if args.init:
-        drafter = DCOCODrafter.from_pretrained(args.init).attach(target)
+        added = {"context_bigrams": True} if args.context_bigrams else {}  # its zero-started weights are missing
+        drafter = DCOCODrafter.from_pretrained(args.init, **added).attach(target)
         drafter.config.correct_first_slot |= args.correct_first_slot
         if args.corrector_hidden is not None:
             drafter.corrector = drafter.corrector.widened(args.corrector_hidden)
@@ -144,7 +151,7 @@ def main() -> None:
                "training_block_sizes": list(model.block_sizes),
                "drafter": {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
                            "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids,
-                           "correct_first_slot": cfg.correct_first_slot},
+                           "correct_first_slot": cfg.correct_first_slot, "context_bigrams": cfg.context_bigrams},
                "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:]}
     (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
 

@@ -111,6 +111,35 @@ def test_greedy_exact_with_cache_compaction(fitted, seed, lengths, max_new_token
     assert len(calls) > 3
 
 
+def test_context_bigrams_read_each_rows_committed_tokens(fitted, monkeypatch):
+    """With `context_bigrams`, every draft of the batched loop hands the corrector exactly its row's committed
+    tokens (no left padding, nothing past the anchor), and the output stays plain generate()'s."""
+    target, fitted_drafter = fitted
+    drafter = scrambled(fitted_drafter, seed=4, context_bigrams=True)
+    calls = []
+    propose = drafter.propose
+
+    def recording(anchor_ids, *args, context_ids=None, context_valid=None, **kwargs):
+        calls.append((anchor_ids.clone(), context_ids.clone(), context_valid.clone()))
+        return propose(anchor_ids, *args, context_ids=context_ids, context_valid=context_valid, **kwargs)
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    ids, mask = left_padded(3, [5, 12, 2])
+    common = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=PAD)
+    expected = target.generate(ids, **common)
+    got = speculative_generate(target, ids, drafter=drafter, **common).sequences
+    assert got.tolist() == expected.tolist()
+    rows = [got[r][torch.cat([mask[r].bool(), torch.ones(15, dtype=torch.bool)])] for r in range(3)]  # unpadded
+    full = [call for call in calls if call[0].shape[0] == 3]  # before any row finished: row i is batch row i
+    assert len(full) >= 3
+    for anchor, context, valid in full:
+        for r in range(3):
+            committed = context[r][valid[r]]
+            assert committed.tolist() == rows[r][: committed.shape[0]].tolist()
+            assert committed[-1] == anchor[r]
+    assert len({int(valid.sum()) for _, _, valid in full}) > 1  # the context grew between cycles
+
+
 def test_cases_were_ragged_and_accepted(fitted, arch):
     """Guard against a vacuous pass: rows of one batch accepted different counts in the same cycle, many times."""
     if f"{arch}-fitted" not in _RAGGED:

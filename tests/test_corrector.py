@@ -10,7 +10,7 @@ import torch
 from conftest import scrambled
 from torch.nn import functional as F
 
-from dcoco_hf import DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from dcoco_hf import DCOCOCorrector, bigram_seen, prefix_first_walk, select_candidates, viterbi_walk
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 
@@ -103,9 +103,9 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
 # ---------------------------------------------------------------------------------------------------- scores
 
 
-def _random_corrector(hidden: int, rank: int, mlp: int) -> DCOCOCorrector:
+def _random_corrector(hidden: int, rank: int, mlp: int, context_bigrams: bool = False) -> DCOCOCorrector:
     """A float64 corrector whose every parameter (delta_out and the LayerNorm affine included) is random."""
-    corrector = DCOCOCorrector(hidden, rank, mlp).double()
+    corrector = DCOCOCorrector(hidden, rank, mlp, context_bigrams).double()
     with torch.no_grad():
         for param in corrector.parameters():
             param.copy_(torch.randn(param.shape, dtype=torch.float64))
@@ -120,25 +120,30 @@ def _naive_z(c: DCOCOCorrector, embed: torch.Tensor, h: torch.Tensor) -> torch.T
     return F.layer_norm(fused, (c.rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
 
 
-def _naive_score(c, h_prev, h_next, z_prev, z_next, l_prev, l_next) -> torch.Tensor:
-    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next]) on one concatenated row."""
-    first_w = torch.cat([c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight], dim=1)
-    assert first_w.shape == (c.delta_pair.out_features, 3 * c.rank + 2)
+def _naive_score(c, h_prev, h_next, z_prev, z_next, l_prev, l_next, seen=None) -> torch.Tensor:
+    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next(; m)]) on one concatenated
+    row (m: whether the pair occurs in the committed text, with `context_bigrams`)."""
+    weights = [c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight]
+    inputs = 3 * c.rank + 2 + (seen is not None)
+    first_w = torch.cat(weights + ([c.delta_seen.weight] if seen is not None else []), dim=1)
+    assert first_w.shape == (c.delta_pair.out_features, inputs)
     s = c.pair_proj.weight @ torch.cat([h_prev, h_next])
-    x = torch.cat([s, z_prev, z_next, l_prev.reshape(1), l_next.reshape(1)])
-    assert x.shape == (3 * c.rank + 2,)
+    x = torch.cat([s, z_prev, z_next, l_prev.reshape(1), l_next.reshape(1)] + ([seen.reshape(1)] if seen is not None else []))
+    assert x.shape == (inputs,)
     delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
     return l_next + delta.squeeze()
 
 
-def test_batched_scores_equal_naive_concatenation():
+@pytest.mark.parametrize("bigrams", [False, True], ids=["paper", "context_bigrams"])
+def test_batched_scores_equal_naive_concatenation(bigrams):
     torch.manual_seed(0)
     hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
-    c = _random_corrector(hidden, rank, mlp)
+    c = _random_corrector(hidden, rank, mlp, bigrams)
     slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
     embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
     logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
-    batched = c(slot_hidden, embeds, logits)
+    seen = torch.rand(batch, slots - 1, k, k) < 0.5 if bigrams else None
+    batched = c(slot_hidden, embeds, logits, seen)
     assert batched.shape == (batch, slots - 1, k, k)
 
     naive = torch.empty_like(batched)
@@ -146,6 +151,7 @@ def test_batched_scores_equal_naive_concatenation():
         naive[b, p, a, n] = _naive_score(
             c, slot_hidden[b, p], slot_hidden[b, p + 1], _naive_z(c, embeds[b, p, a], slot_hidden[b, p]),
             _naive_z(c, embeds[b, p + 1, n], slot_hidden[b, p + 1]), logits[b, p, a], logits[b, p + 1, n],
+            None if seen is None else seen[b, p, a, n].double(),
         )
     assert (naive - logits[:, 1:, None, :]).abs().min() > 1e-6  # Delta really is non-zero everywhere
     torch.testing.assert_close(batched, naive, rtol=1e-10, atol=1e-10)
@@ -171,6 +177,54 @@ def test_first_slot_scores_equal_naive_concatenation():
         )
     assert (naive - logits).abs().min() > 1e-6
     torch.testing.assert_close(got, naive, rtol=1e-10, atol=1e-10)
+
+
+def test_bigram_seen_on_a_hand_worked_context():
+    """m(a, b) per row, skipping padding, and (training) only up to each block's anchor."""
+    context = torch.tensor([[5, 7, 5, 9, 0], [0, 1, 2, 7, 5]])  # row 0 right-padded, row 1 left-padded
+    valid = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    first = torch.tensor([[5, 7, 9, 5, 9], [7, 0, 1, 5, 2]])
+    second = torch.tensor([[7, 5, 5, 9, 0], [5, 1, 2, 7, 7]])
+    seen = bigram_seen(context, first, second, vocab_size=10, context_valid=valid)
+    assert seen.tolist() == [[True, True, False, True, False], [True, False, True, False, True]]
+    # Rows do not see each other's pairs: (1, 2) is row 1's, (5, 7) row 0's.
+    assert bigram_seen(context, torch.tensor([[1], [5]]), torch.tensor([[2], [7]]), 10, valid).tolist() == [
+        [False], [False]
+    ]
+    # ends: a pair counts once its second token sits at or before the end (positions 1, 2, 3 in row 0).
+    pairs = (torch.tensor([[5, 7, 5]]), torch.tensor([[7, 5, 9]]))
+    ends = torch.tensor([[1, 1, 2]])
+    assert bigram_seen(context[:1], *pairs, 10, ends=ends).tolist() == [[True, False, False]]
+    assert bigram_seen(context[:1], *pairs, 10, ends=ends + 1).tolist() == [[True, True, True]]
+    assert bigram_seen(context[:1, :1], *pairs, 10).tolist() == [[False, False, False]]  # one token: no pair
+    # int32 ids (as stored in training records) with a real vocabulary size, whose pair hashes pass 2^31.
+    big = torch.tensor([[49000, 48999, 7]], dtype=torch.int32)
+    query = (torch.tensor([[49000, 48999, 7]], dtype=torch.int32), torch.tensor([[48999, 7, 49000]], dtype=torch.int32))
+    assert bigram_seen(big, *query, vocab_size=49152).tolist() == [[True, True, False]]
+
+
+def test_context_bigram_input_starts_at_zero():
+    """A trained corrector given the m(a, b) input scores exactly as before until trained; m must match the config."""
+    torch.manual_seed(3)
+    hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
+    c = _random_corrector(hidden, rank, mlp)
+    with_input = DCOCOCorrector(hidden, rank, mlp, context_bigrams=True).double()
+    assert with_input.load_state_dict(c.state_dict(), strict=False).missing_keys == ["delta_seen.weight"]
+    slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
+    embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
+    logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
+    seen = torch.rand(batch, slots - 1, k, k) < 0.5
+    torch.testing.assert_close(with_input(slot_hidden, embeds, logits, seen), c(slot_hidden, embeds, logits))
+    with_input(slot_hidden, embeds, logits, seen).sum().backward()
+    assert with_input.delta_seen.weight.grad.abs().sum() > 0  # trainable from the first step
+    with torch.no_grad():
+        with_input.delta_seen.weight.fill_(1.0)
+    assert not torch.allclose(with_input(slot_hidden, embeds, logits, seen), c(slot_hidden, embeds, logits))
+    with pytest.raises(ValueError, match="context_bigrams"):
+        with_input(slot_hidden, embeds, logits)
+    with pytest.raises(ValueError, match="context_bigrams"):
+        c(slot_hidden, embeds, logits, seen)
+    assert with_input.widened(9).delta_seen.weight.shape == (9, 1)
 
 
 def test_widened_corrector_scores_as_before_until_trained():

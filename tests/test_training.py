@@ -265,13 +265,18 @@ def test_train_script_refuses_architecture_flags_next_to_init():
     assert "--layers, --top-k: these shape a new drafter, but --init runs/stage1/final brings its own" in result.stderr
 
 
-def test_train_script_corrector_only_needs_stage_2_and_init():
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--stage", "1", "--corrector-only"], "use it with --stage 2 --init FOLDER"),
+     (["--stage", "2", "--context-bigrams"], "--context-bigrams adds an input to the corrector of an existing drafter")],
+    ids=["corrector-only", "context-bigrams"],
+)
+def test_train_script_corrector_flags_need_stage_2_and_init(flags, message):
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_drafter.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--stage", "1", "--corrector-only", "--data", "data", "--output", "out"],
-        capture_output=True, text=True,
+        [sys.executable, str(script), *flags, "--data", "data", "--output", "out"], capture_output=True, text=True
     )
-    assert result.returncode == 2 and "use it with --stage 2 --init FOLDER" in result.stderr
+    assert result.returncode == 2 and message in result.stderr
 
 
 def test_corrector_only_training_keeps_the_backbone(tmp_path):
@@ -443,3 +448,25 @@ def test_successor_pair_loss_trains_the_walks_decision(tmp_path):
     _trainer(model, tmp_path, steps=30).train()
     drafter_after, corrector_after = accuracy()
     assert drafter_after == drafter_before and corrector_after > corrector_before
+
+
+def test_context_bigrams_join_a_trained_corrector_at_zero_and_then_train(tmp_path):
+    """`from_pretrained(folder, context_bigrams=True)` (what `train_drafter.py --context-bigrams` does) adds the
+    m(a, b) input with zero weights, so the corrector's picks are unchanged; corrector-only training then uses it."""
+    target = make_target("llama")
+    drafter = fit_drafter(target, block_size=4, top_k=4, steps=40)
+    with torch.no_grad():  # start from the untrained corrector, so that training has something to gain
+        drafter.corrector.delta_out.weight.zero_()
+        drafter.corrector.delta_out.bias.zero_()
+    drafter.save_pretrained(tmp_path / "drafter")
+    records = _records(target)
+    before = _loss_on(records, drafter, target)().successor_accuracy
+    widened = DCOCODrafter.from_pretrained(tmp_path / "drafter", context_bigrams=True).attach(target)
+    assert widened.config.context_bigrams and widened.corrector.delta_seen.weight.abs().sum() == 0
+    evaluate = _loss_on(records, widened, target)
+    assert evaluate().successor_accuracy == before
+    model = DrafterTrainingModel(widened, target, stage=2, num_anchors=8, corrector_only=True)
+    model._records = records
+    _trainer(model, tmp_path / "run", steps=30).train()
+    assert widened.corrector.delta_seen.weight.abs().sum() > 0
+    assert evaluate().successor_accuracy[1] > before[1]

@@ -118,10 +118,14 @@ def drafter_loss(
     pair_index, usable = transition_labels(candidates, blocks.labels, labelled)  # [N, m, S-1]
     # Score only blocks with a usable pair: the K^2 transitions of every pair make the corrector the costly part.
     rows = usable.flatten(0, 1).any(-1)  # [N*m]
+    anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]  # [N, m]
+    # m(a, b) over the text up to each block's anchor, as drafting sees it ([N, m, S-1, K, K], [N, m, K]).
+    seen, first_seen = drafter.candidate_bigrams(anchor_ids, candidates, input_ids, anchor_positions=blocks.anchors)
     scores = drafter.corrector(
         slot_hidden.flatten(0, 1)[rows],
         drafter.embed(candidates.flatten(0, 1)[rows]).to(slot_hidden.dtype),
         candidate_logits.flatten(0, 1)[rows],
+        None if seen is None else seen.flatten(0, 1)[rows],
     )  # [R, S-1, K, K]
     pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
     stage2 = pair_loss_of(scores, pair_index, usable, rho)
@@ -129,10 +133,9 @@ def drafter_loss(
     if cfg.correct_first_slot:
         index, found = candidate_index(candidates[:, :, 0], blocks.labels[:, :, 0], labelled[:, :, 0])  # [N, m]
         if found.any():
-            anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]
             first_scores = drafter.first_slot_scores(
                 block_hidden[found], anchor_ids[found], drafter.embed(candidates[:, :, 0][found]),
-                candidate_logits[found],
+                candidate_logits[found], None if first_seen is None else first_seen[found],
             )  # [F, K]
             stage2 = stage2 + first_slot_loss(first_scores, index[found])
             with torch.no_grad():

@@ -45,6 +45,8 @@ class DCOCOConfig(PreTrainedConfig):
         geometric_lambda: decay of the geometric walk.
         correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
+        context_bigrams: the corrector's MLP also reads whether each candidate pair (a, b) already occurs in the
+            committed text (our extension, dcoco_hf/corrector.py). Needs a corrector trained with it.
         draft_vocab_size: when set, the drafter proposes only from this many target tokens (a frequency-ranked
             draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
@@ -84,6 +86,7 @@ class DCOCOConfig(PreTrainedConfig):
     selection: str = "greedy"
     geometric_lambda: float = 0.75
     correct_first_slot: bool = False
+    context_bigrams: bool = False
     draft_vocab_size: int | None = None
     block_tau: dict | None = None
 
@@ -115,6 +118,7 @@ class DCOCOConfig(PreTrainedConfig):
         selection: str = "greedy",
         geometric_lambda: float = 0.75,
         correct_first_slot: bool = False,
+        context_bigrams: bool = False,
         draft_vocab_size: int | None = None,
         block_tau: dict[str, float] | None = None,
         layer_types: list[str] | None = None,
@@ -153,6 +157,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.selection = selection
         self.geometric_lambda = geometric_lambda
         self.correct_first_slot = bool(correct_first_slot)
+        self.context_bigrams = bool(context_bigrams)
         self.draft_vocab_size = draft_vocab_size
         # JSON keys are strings; ints are accepted too.
         self.block_tau = {str(int(b)): float(t) for b, t in block_tau.items()} if block_tau is not None else None

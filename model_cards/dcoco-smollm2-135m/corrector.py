@@ -14,12 +14,19 @@ top-16 covers 0.755), so DCOCO re-selects instead of re-generating:
 5. prefix-first walk: slot 1 keeps the drafter argmax, then k_{p+1} = argmax_b S_p(k_p, b), because verification
    stops at the first error and a good late slot cannot pay for a bad early one.
 
-Our one extension (`DCOCOConfig.correct_first_slot`, off by default): the anchor is the block's position 0 and its
+Our first extension (`DCOCOConfig.correct_first_slot`, off by default): the anchor is the block's position 0 and its
 token is known, so it is a predecessor with a single candidate, and the same Delta scores the anchor -> slot 1
 transitions S_0(anchor, b) = l_1(b) + Delta([s_0; z_0; z_1^b; 0; l_1(b)]) (s_0 pairs the anchor's drafter hidden
 with slot 1's, z_0 is the anchor token's representation, and the anchor has no drafter logit). The walk then starts
 from argmax_b S_0 instead of the drafter argmax. With short blocks most of the top-K headroom sits at slot 1, which
 the paper's walk cannot touch; a zero Delta still returns the drafter's argmax.
+
+Our second extension (`DCOCOConfig.context_bigrams`, off by default): Delta also reads m(a, b), 1 when the token
+pair (a, b) already occurs in the committed text (prompt and output so far), else 0. The slot hiddens are computed
+without the neighbours' choices, which is why blocks go incoherent; whether the committed text ever wrote b right
+after a is the cheapest evidence about that pair (code repeats its identifiers, prose its phrases), read from the
+token ids with one sort, no forward. Its Delta weights start at zero, so adding it to a trained corrector changes
+nothing until trained.
 
 The first layer of Delta is stored as four linear maps, one per input group ([s_p], [z_p^a], [z_{p+1}^b],
 [l_p(a), l_{p+1}(b)]). That is the same 3r+2 -> hidden affine map with the same parameter count, but the batched op
@@ -40,9 +47,10 @@ class DCOCOCorrector(nn.Module):
         hidden_size: width H of the drafter hidden states and of the target embedding.
         rank: width r of candidate representations and slot-pair states (paper: 128).
         mlp_hidden: hidden width of the transition MLP Delta (paper: 256).
+        context_bigrams: Delta also reads m(a, b), whether the pair occurs in the committed text (module docstring).
     """
 
-    def __init__(self, hidden_size: int, rank: int = 128, mlp_hidden: int = 256) -> None:
+    def __init__(self, hidden_size: int, rank: int = 128, mlp_hidden: int = 256, context_bigrams: bool = False) -> None:
         super().__init__()
         self.rank = rank
         self.cand_proj = nn.Linear(hidden_size, rank, bias=False)  # W_cand
@@ -55,6 +63,11 @@ class DCOCOCorrector(nn.Module):
         self.delta_prev = nn.Linear(rank, mlp_hidden, bias=False)
         self.delta_next = nn.Linear(rank, mlp_hidden, bias=False)
         self.delta_logits = nn.Linear(2, mlp_hidden, bias=False)
+        # m(a, b) -> Delta, zero at start: a trained corrector gains the input without changing its scores.
+        self.delta_seen = nn.Linear(1, mlp_hidden, bias=False) if context_bigrams else None
+        if self.delta_seen is not None:
+            self.delta_seen.zero_init = True
+            nn.init.zeros_(self.delta_seen.weight)
         # Delta, output layer: zero at start so S_p(a, b) = l_{p+1}(b) and the walk returns the drafter argmax.
         self.delta_out = nn.Linear(mlp_hidden, 1, bias=True)
         self.delta_out.zero_init = True  # honoured by DCOCOPreTrainedModel._init_weights
@@ -71,10 +84,12 @@ class DCOCOCorrector(nn.Module):
         old_hidden = self.delta_out.in_features
         if mlp_hidden < old_hidden:
             raise ValueError(f"mlp_hidden={mlp_hidden} is below the current {old_hidden}: widening only adds units.")
-        wide = DCOCOCorrector(self.pair_proj.in_features // 2, self.rank, mlp_hidden).to(self.delta_out.weight)
+        wide = DCOCOCorrector(
+            self.pair_proj.in_features // 2, self.rank, mlp_hidden, self.delta_seen is not None
+        ).to(self.delta_out.weight)
         state = wide.state_dict()
         for name, tensor in self.state_dict().items():
-            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits")):  # [hidden, in] / [hidden]
+            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits", "delta_seen")):  # [hidden, .]
                 state[name][:old_hidden] = tensor
             elif name == "delta_out.weight":  # [1, hidden]
                 state[name].zero_()[:, :old_hidden] = tensor
@@ -92,7 +107,11 @@ class DCOCOCorrector(nn.Module):
         return self.fuse_norm(self.fuse_proj(torch.cat([cand, ctx], dim=-1)))
 
     def forward(
-        self, slot_hidden: torch.Tensor, candidate_embeds: torch.Tensor, candidate_logits: torch.Tensor
+        self,
+        slot_hidden: torch.Tensor,
+        candidate_embeds: torch.Tensor,
+        candidate_logits: torch.Tensor,
+        seen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Transition scores S_p(a, b) for every adjacent pair of drafted slots.
 
@@ -100,13 +119,14 @@ class DCOCOCorrector(nn.Module):
             slot_hidden: [B, S, H] drafter hidden of each drafted slot (the input of the lm_head).
             candidate_embeds: [B, S, K, H] target embeddings of each slot's top-K candidates.
             candidate_logits: [B, S, K] drafter logits of those candidates.
+            seen: [B, S - 1, K, K] m(a, b) of each transition (`bigram_seen`), with `context_bigrams` only.
         Returns:
             [B, S - 1, K, K] scores; entry [b, p, a, c] scores candidate c at slot p + 1 after candidate a at slot p.
         """
         logits = candidate_logits.to(slot_hidden.dtype)
         z = self.candidate_representations(candidate_embeds, slot_hidden)  # [B, S, K, r]
         pair = self.pair_proj(torch.cat([slot_hidden[:, :-1], slot_hidden[:, 1:]], dim=-1))  # [B, P, r]
-        return self._transition_scores(pair, z[:, :-1], z[:, 1:], logits[:, :-1], logits[:, 1:])
+        return self._transition_scores(pair, z[:, :-1], z[:, 1:], logits[:, :-1], logits[:, 1:], seen)
 
     def first_slot_scores(
         self,
@@ -115,6 +135,7 @@ class DCOCOCorrector(nn.Module):
         slot_hidden: torch.Tensor,
         candidate_embeds: torch.Tensor,
         candidate_logits: torch.Tensor,
+        seen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Anchor -> slot 1 transition scores S_0(anchor, b) (`correct_first_slot`), by the same Delta.
 
@@ -124,6 +145,7 @@ class DCOCOCorrector(nn.Module):
             slot_hidden: [B, H] drafter hidden of slot 1.
             candidate_embeds: [B, K, H] target embeddings of slot 1's candidates.
             candidate_logits: [B, K] their drafter logits.
+            seen: [B, K] m(anchor, b) of each candidate, with `context_bigrams` only.
         Returns:
             [B, K] scores of slot 1's candidates after the anchor.
         """
@@ -132,7 +154,8 @@ class DCOCOCorrector(nn.Module):
         z_first = self.candidate_representations(candidate_embeds[:, None], slot_hidden[:, None])  # [B, 1, K, r]
         pair = self.pair_proj(torch.cat([anchor_hidden, slot_hidden], dim=-1))[:, None]  # [B, 1, r]
         # The anchor is certain and has no drafter logit: its logit input is 0.
-        scores = self._transition_scores(pair, z_anchor, z_first, torch.zeros_like(logits[..., :1]), logits)
+        seen = None if seen is None else seen[:, None, None]  # [B, 1, 1, K]
+        scores = self._transition_scores(pair, z_anchor, z_first, torch.zeros_like(logits[..., :1]), logits, seen)
         return scores[:, 0, 0]  # [B, K]
 
     def _transition_scores(
@@ -142,17 +165,59 @@ class DCOCOCorrector(nn.Module):
         z_next: torch.Tensor,
         prev_logits: torch.Tensor,
         next_logits: torch.Tensor,
+        seen: torch.Tensor | None,
     ) -> torch.Tensor:
-        """l_{p+1}(b) + Delta for pair states [B, P, r], predecessors [B, P, Ka, r] / [B, P, Ka] and successors
-        [B, P, Kb, r] / [B, P, Kb] -> [B, P, Ka, Kb]."""
+        """l_{p+1}(b) + Delta for pair states [B, P, r], predecessors [B, P, Ka, r] / [B, P, Ka], successors
+        [B, P, Kb, r] / [B, P, Kb] and m(a, b) [B, P, Ka, Kb] (or None) -> [B, P, Ka, Kb]."""
+        if (seen is None) != (self.delta_seen is None):
+            raise ValueError(
+                "m(a, b) goes with the corrector's context_bigrams setting: pass seen=bigram_seen(...) exactly when "
+                f"the config has context_bigrams=True (this corrector: {self.delta_seen is not None})."
+            )
         w = self.delta_logits.weight  # [hidden, 2]
         hidden = (
             self.delta_pair(pair)[:, :, None, None, :]  # [B, P, 1, 1, hidden]
             + (self.delta_prev(z_prev) + prev_logits[..., None] * w[:, 0])[:, :, :, None, :]  # [B, P, Ka, 1, hidden]
             + (self.delta_next(z_next) + next_logits[..., None] * w[:, 1])[:, :, None, :, :]  # [B, P, 1, Kb, hidden]
         )
+        if seen is not None:
+            hidden = hidden + seen.to(hidden.dtype)[..., None] * self.delta_seen.weight[:, 0]  # [B, P, Ka, Kb, hidden]
         delta = self.delta_out(F.gelu(hidden)).squeeze(-1)  # [B, P, Ka, Kb]
         return next_logits[:, :, None, :] + delta
+
+
+def bigram_seen(
+    context_ids: torch.LongTensor,
+    first: torch.LongTensor,
+    second: torch.LongTensor,
+    vocab_size: int,
+    context_valid: torch.BoolTensor | None = None,
+    ends: torch.LongTensor | None = None,
+) -> torch.BoolTensor:
+    """m(a, b): whether token `first` is directly followed by token `second` somewhere in each row's context.
+
+    context_ids [B, L]; first / second [B, ...] token ids (broadcast together); context_valid [B, L] marks the real
+    tokens (False: padding, which forms no pair); ends [B, ...] (broadcast with first), when given, counts only pairs
+    whose second token sits at a position <= end (training: the text up to each block's anchor). -> [B, ...].
+    Pairs are hashed to (row, a, b) and looked up in the sorted unique hashes, each with its earliest end position.
+    """
+    # int64 throughout: (row, a, b) hashes pass 2^31 at vocabularies of 46K tokens (stored records are int32).
+    context_ids, first, second = context_ids.long(), first.long(), second.long()
+    batch, length = context_ids.shape
+    if length < 2:  # no pair yet
+        return torch.zeros(torch.broadcast_shapes(first.shape, second.shape), dtype=torch.bool, device=first.device)
+    row = torch.arange(batch, device=context_ids.device).view(batch, *([1] * (first.dim() - 1)))
+    pair = (torch.arange(batch, device=context_ids.device)[:, None] * vocab_size + context_ids[:, :-1]) * vocab_size
+    pair = pair + context_ids[:, 1:]  # [B, L - 1]
+    if context_valid is not None:
+        pair = pair.masked_fill(~(context_valid[:, :-1] & context_valid[:, 1:]), -1)  # no query hashes to -1
+    end = torch.arange(1, length, device=context_ids.device).expand_as(pair)  # [B, L - 1] position of the second
+    unique, inverse = torch.unique(pair.flatten(), return_inverse=True)
+    earliest = torch.full_like(unique, length).scatter_reduce(0, inverse, end.flatten(), "amin")
+    query = (row * vocab_size + first) * vocab_size + second  # [B, ...]
+    index = torch.searchsorted(unique, query).clamp(max=unique.numel() - 1)
+    found = unique[index] == query
+    return found if ends is None else found & (earliest[index] <= ends)
 
 
 def prefix_first_walk(transition_scores: torch.Tensor, first_slot_scores: torch.Tensor | None = None) -> torch.Tensor:

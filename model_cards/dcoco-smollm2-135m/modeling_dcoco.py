@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .candidate_generator import DCOCOCandidateGenerator, DraftContextCache, TargetTap, decoder_layers
 from .configuration_dcoco import DCOCOConfig
-from .corrector import DCOCOCorrector, select_candidates
+from .corrector import DCOCOCorrector, bigram_seen, select_candidates
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,8 @@ class DCOCOPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if getattr(module, "zero_init", False):  # the corrector's output layer: untrained = plain DFlash argmax
             init.zeros_(module.weight)
-            init.zeros_(module.bias)
+            if module.bias is not None:
+                init.zeros_(module.bias)
 
 
 class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
@@ -204,7 +205,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList([DCOCODecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.corrector = DCOCOCorrector(config.hidden_size, config.corrector_rank, config.corrector_hidden)
+        self.corrector = DCOCOCorrector(
+            config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams
+        )
         # Saved with the weights when the config has a draft vocabulary; None proposes from the whole vocabulary.
         size = config.draft_vocab_size
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
@@ -411,6 +414,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         selection: str | None = None,
         correct: bool = True,
+        context_ids: torch.LongTensor | None = None,
+        context_valid: torch.BoolTensor | None = None,
     ) -> DraftProposal:
         """Draft one block per row and correct it.
 
@@ -422,6 +427,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             attention_mask: key mask [B, cached + N + block_size], or None when every key is visible.
             selection: "greedy" | "viterbi" | "geometric"; default `config.selection`.
             correct: False skips the corrector (plain DFlash argmax proposals, for baselines).
+            context_ids: [B, L] committed tokens of each row, anchor included (needed with `context_bigrams`).
+            context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
         """
         cfg = self.config
         sync = _device_sync(anchor_ids.device)
@@ -444,10 +451,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         scores = first_scores = None
         if correct and (cfg.block_size > 2 or cfg.correct_first_slot):
             candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
-            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits)  # [B, S - 1, K, K]
+            seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid)
+            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen)  # [B, S - 1, K, K]
             if cfg.correct_first_slot:
                 first_scores = self.first_slot_scores(
-                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits
+                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits, first_seen
                 )  # [B, K]
             first = first_scores if first_scores is not None else candidate_logits[:, 0]
             chosen = select_candidates(selection or cfg.selection, scores.float(), first.float(), cfg.geometric_lambda)
@@ -466,18 +474,52 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         anchor_ids: torch.LongTensor,
         first_candidate_embeds: torch.Tensor,
         candidate_logits: torch.Tensor,
+        seen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Anchor -> slot 1 transition scores (`correct_first_slot`), as drafting and training both compute them.
 
         block_hidden [R, block, H] drafter output of each block, anchor_ids [R], first_candidate_embeds [R, K, H]
         the embeddings of slot 1's candidates (drafting has them already, for the slot pairs), candidate_logits
-        [R, S, K] -> [R, K].
+        [R, S, K], seen [R, K] m(anchor, b) with `context_bigrams` -> [R, K].
         """
         dtype = block_hidden.dtype
         return self.corrector.first_slot_scores(
             block_hidden[:, 0], self.embed(anchor_ids).to(dtype), block_hidden[:, 1],
-            first_candidate_embeds.to(dtype), candidate_logits[:, 0],
+            first_candidate_embeds.to(dtype), candidate_logits[:, 0], seen,
         )
+
+    def candidate_bigrams(
+        self,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        context_ids: torch.LongTensor | None,
+        context_valid: torch.BoolTensor | None = None,
+        anchor_positions: torch.LongTensor | None = None,
+    ) -> tuple[torch.BoolTensor | None, torch.BoolTensor | None]:
+        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and of every anchor -> slot 1 transition
+        [B, ..., K], as drafting and training both compute them; (None, None) without `context_bigrams`.
+
+        anchor_ids [B, ...] and candidates [B, ..., S, K] (drafting: one block per row, [B]; training: m blocks per
+        sequence, [N, m]); context_ids / context_valid [B, L]; anchor_positions [B, ...], in training, restricts
+        each block to the text up to its anchor (drafting's context ends at the anchor already).
+        """
+        if not self.config.context_bigrams:
+            return None, None
+        if context_ids is None:
+            raise ValueError(
+                "this drafter's corrector reads context bigrams (config.context_bigrams=True): pass the committed "
+                "tokens as context_ids to propose()."
+            )
+        vocab, ends = self.config.vocab_size, anchor_positions
+        pairs = bigram_seen(
+            context_ids, candidates[..., :-1, :, None], candidates[..., 1:, None, :], vocab, context_valid,
+            None if ends is None else ends[..., None, None, None],
+        )
+        first = bigram_seen(
+            context_ids, anchor_ids[..., None], candidates[..., 0, :], vocab, context_valid,
+            None if ends is None else ends[..., None],
+        )
+        return pairs, first
 
     # ------------------------------------------------------------------ transformers assisted generation
 
