@@ -119,7 +119,7 @@ class DCOCOCorrector(nn.Module):
             slot_hidden: [B, S, H] drafter hidden of each drafted slot (the input of the lm_head).
             candidate_embeds: [B, S, K, H] target embeddings of each slot's top-K candidates.
             candidate_logits: [B, S, K] drafter logits of those candidates.
-            seen: [B, S - 1, K, K] m(a, b) of each transition (`bigram_seen`), with `context_bigrams` only.
+            seen: [B, S - 1, K, K] m(a, b) of each transition (`ContextBigrams.seen`), with `context_bigrams` only.
         Returns:
             [B, S - 1, K, K] scores; entry [b, p, a, c] scores candidate c at slot p + 1 after candidate a at slot p.
         """
@@ -171,7 +171,7 @@ class DCOCOCorrector(nn.Module):
         [B, P, Kb, r] / [B, P, Kb] and m(a, b) [B, P, Ka, Kb] (or None) -> [B, P, Ka, Kb]."""
         if (seen is None) != (self.delta_seen is None):
             raise ValueError(
-                "m(a, b) goes with the corrector's context_bigrams setting: pass seen=bigram_seen(...) exactly when "
+                "m(a, b) goes with the corrector's context_bigrams setting: pass seen=ContextBigrams(...).seen(...) exactly when "
                 f"the config has context_bigrams=True (this corrector: {self.delta_seen is not None})."
             )
         w = self.delta_logits.weight  # [hidden, 2]
@@ -186,38 +186,43 @@ class DCOCOCorrector(nn.Module):
         return next_logits[:, :, None, :] + delta
 
 
-def bigram_seen(
-    context_ids: torch.LongTensor,
-    first: torch.LongTensor,
-    second: torch.LongTensor,
-    vocab_size: int,
-    context_valid: torch.BoolTensor | None = None,
-    ends: torch.LongTensor | None = None,
-) -> torch.BoolTensor:
-    """m(a, b): whether token `first` is directly followed by token `second` somewhere in each row's context.
+class ContextBigrams:
+    """The token pairs of each row's committed text, sorted once, to look up m(a, b) for any number of candidates.
 
-    context_ids [B, L]; first / second [B, ...] token ids (broadcast together); context_valid [B, L] marks the real
-    tokens (False: padding, which forms no pair); ends [B, ...] (broadcast with first), when given, counts only pairs
-    whose second token sits at a position <= end (training: the text up to each block's anchor). -> [B, ...].
-    Pairs are hashed to (row, a, b) and looked up in the sorted unique hashes, each with its earliest end position.
+    context_ids [B, L]; context_valid [B, L] marks the real tokens (False: padding, which forms no pair). Pairs are
+    hashed to (row, a, b) and kept as sorted unique hashes, each with the earliest position of its second token.
     """
-    # int64 throughout: (row, a, b) hashes pass 2^31 at vocabularies of 46K tokens (stored records are int32).
-    context_ids, first, second = context_ids.long(), first.long(), second.long()
-    batch, length = context_ids.shape
-    if length < 2:  # no pair yet
-        return torch.zeros(torch.broadcast_shapes(first.shape, second.shape), dtype=torch.bool, device=first.device)
-    row = torch.arange(batch, device=context_ids.device).view(batch, *([1] * (first.dim() - 1)))
-    pair = (torch.arange(batch, device=context_ids.device)[:, None] * vocab_size + context_ids[:, :-1]) * vocab_size
-    pair = pair + context_ids[:, 1:]  # [B, L - 1]
-    if context_valid is not None:
-        pair = pair.masked_fill(~(context_valid[:, :-1] & context_valid[:, 1:]), -1)  # no query hashes to -1
-    end = torch.arange(1, length, device=context_ids.device).expand_as(pair)  # [B, L - 1] position of the second
-    unique, inverse = torch.unique(pair.flatten(), return_inverse=True)
-    earliest = torch.full_like(unique, length).scatter_reduce(0, inverse, end.flatten(), "amin")
-    query = (row * vocab_size + first) * vocab_size + second  # [B, ...]
-    index = torch.searchsorted(unique, query).clamp(max=unique.numel() - 1)
-    found = unique[index] == query
-    return found if ends is None else found & (earliest[index] <= ends)
+
+    def __init__(
+        self, context_ids: torch.LongTensor, vocab_size: int, context_valid: torch.BoolTensor | None = None
+    ) -> None:
+        # int64 throughout: (row, a, b) hashes pass 2^31 at vocabularies of 46K tokens (stored records are int32).
+        context_ids = context_ids.long()
+        batch, length = context_ids.shape
+        self.vocab_size = vocab_size
+        self.rows = torch.arange(batch, device=context_ids.device)  # [B]
+        pair = self._hash(self.rows[:, None], context_ids[:, :-1], context_ids[:, 1:])  # [B, L - 1]
+        if context_valid is not None:
+            pair = pair.masked_fill(~(context_valid[:, :-1] & context_valid[:, 1:]), -1)  # no query hashes to -1
+        end = torch.arange(1, length, device=context_ids.device).expand_as(pair)  # [B, L - 1] position of the second
+        self.unique, inverse = torch.unique(pair.flatten(), return_inverse=True)
+        self.earliest = torch.full_like(self.unique, length).scatter_reduce(0, inverse, end.flatten(), "amin")
+
+    def _hash(self, row: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return (row * self.vocab_size + first.long()) * self.vocab_size + second.long()
+
+    def seen(
+        self, first: torch.LongTensor, second: torch.LongTensor, ends: torch.LongTensor | None = None
+    ) -> torch.BoolTensor:
+        """m(a, b) for token ids first / second [B, ...] (broadcast together): whether `first` is directly followed by
+        `second` in the row's context. ends [B, ...] (broadcast with first), when given, counts only pairs whose
+        second token sits at a position <= end (training: the text up to each block's anchor). -> [B, ...]."""
+        if self.unique.numel() == 0:  # contexts of one token: no pair yet
+            return torch.zeros(torch.broadcast_shapes(first.shape, second.shape), dtype=torch.bool, device=first.device)
+        query = self._hash(self.rows.view(-1, *([1] * (first.dim() - 1))), first, second)  # [B, ...]
+        index = torch.searchsorted(self.unique, query).clamp(max=self.unique.numel() - 1)
+        found = self.unique[index] == query
+        return found if ends is None else found & (self.earliest[index] <= ends)
 
 
 def prefix_first_walk(transition_scores: torch.Tensor, first_slot_scores: torch.Tensor | None = None) -> torch.Tensor:

@@ -222,7 +222,9 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         # Draft: one drafter forward per cycle for all active rows.
         block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
         draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
-        context_ids, context_valid = _committed(out, prompt_valid, written, rows)
+        context_ids, context_valid = (
+            _committed(out, prompt_valid, written, rows) if drafter.config.context_bigrams else (None, None)
+        )
         proposal = drafter.propose(
             anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection, correct=correct,
             context_ids=context_ids, context_valid=context_valid,

@@ -10,7 +10,7 @@ import torch
 from conftest import scrambled
 from torch.nn import functional as F
 
-from dcoco_hf import DCOCOCorrector, bigram_seen, prefix_first_walk, select_candidates, viterbi_walk
+from dcoco_hf import ContextBigrams, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 
@@ -179,28 +179,28 @@ def test_first_slot_scores_equal_naive_concatenation():
     torch.testing.assert_close(got, naive, rtol=1e-10, atol=1e-10)
 
 
-def test_bigram_seen_on_a_hand_worked_context():
+def test_context_bigrams_on_a_hand_worked_context():
     """m(a, b) per row, skipping padding, and (training) only up to each block's anchor."""
     context = torch.tensor([[5, 7, 5, 9, 0], [0, 1, 2, 7, 5]])  # row 0 right-padded, row 1 left-padded
     valid = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
     first = torch.tensor([[5, 7, 9, 5, 9], [7, 0, 1, 5, 2]])
     second = torch.tensor([[7, 5, 5, 9, 0], [5, 1, 2, 7, 7]])
-    seen = bigram_seen(context, first, second, vocab_size=10, context_valid=valid)
+    seen = ContextBigrams(context, vocab_size=10, context_valid=valid).seen(first, second)
     assert seen.tolist() == [[True, True, False, True, False], [True, False, True, False, True]]
     # Rows do not see each other's pairs: (1, 2) is row 1's, (5, 7) row 0's.
-    assert bigram_seen(context, torch.tensor([[1], [5]]), torch.tensor([[2], [7]]), 10, valid).tolist() == [
+    assert ContextBigrams(context, 10, valid).seen(torch.tensor([[1], [5]]), torch.tensor([[2], [7]])).tolist() == [
         [False], [False]
     ]
     # ends: a pair counts once its second token sits at or before the end (positions 1, 2, 3 in row 0).
     pairs = (torch.tensor([[5, 7, 5]]), torch.tensor([[7, 5, 9]]))
     ends = torch.tensor([[1, 1, 2]])
-    assert bigram_seen(context[:1], *pairs, 10, ends=ends).tolist() == [[True, False, False]]
-    assert bigram_seen(context[:1], *pairs, 10, ends=ends + 1).tolist() == [[True, True, True]]
-    assert bigram_seen(context[:1, :1], *pairs, 10).tolist() == [[False, False, False]]  # one token: no pair
+    assert ContextBigrams(context[:1], 10).seen(*pairs, ends=ends).tolist() == [[True, False, False]]
+    assert ContextBigrams(context[:1], 10).seen(*pairs, ends=ends + 1).tolist() == [[True, True, True]]
+    assert ContextBigrams(context[:1, :1], 10).seen(*pairs).tolist() == [[False, False, False]]  # one token: no pair
     # int32 ids (as stored in training records) with a real vocabulary size, whose pair hashes pass 2^31.
     big = torch.tensor([[49000, 48999, 7]], dtype=torch.int32)
     query = (torch.tensor([[49000, 48999, 7]], dtype=torch.int32), torch.tensor([[48999, 7, 49000]], dtype=torch.int32))
-    assert bigram_seen(big, *query, vocab_size=49152).tolist() == [[True, True, False]]
+    assert ContextBigrams(big, vocab_size=49152).seen(*query).tolist() == [[True, True, False]]
 
 
 def test_context_bigram_input_starts_at_zero():

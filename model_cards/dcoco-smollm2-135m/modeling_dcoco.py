@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .candidate_generator import DCOCOCandidateGenerator, DraftContextCache, TargetTap, decoder_layers
 from .configuration_dcoco import DCOCOConfig
-from .corrector import DCOCOCorrector, bigram_seen, select_candidates
+from .corrector import ContextBigrams, DCOCOCorrector, select_candidates
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -496,8 +496,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         context_valid: torch.BoolTensor | None = None,
         anchor_positions: torch.LongTensor | None = None,
     ) -> tuple[torch.BoolTensor | None, torch.BoolTensor | None]:
-        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and of every anchor -> slot 1 transition
-        [B, ..., K], as drafting and training both compute them; (None, None) without `context_bigrams`.
+        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and, with `correct_first_slot`, of every anchor
+        -> slot 1 transition [B, ..., K] (else None), as drafting and training both compute them; (None, None)
+        without `context_bigrams`.
 
         anchor_ids [B, ...] and candidates [B, ..., S, K] (drafting: one block per row, [B]; training: m blocks per
         sequence, [N, m]); context_ids / context_valid [B, L]; anchor_positions [B, ...], in training, restricts
@@ -510,16 +511,13 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "this drafter's corrector reads context bigrams (config.context_bigrams=True): pass the committed "
                 "tokens as context_ids to propose()."
             )
-        vocab, ends = self.config.vocab_size, anchor_positions
-        pairs = bigram_seen(
-            context_ids, candidates[..., :-1, :, None], candidates[..., 1:, None, :], vocab, context_valid,
-            None if ends is None else ends[..., None, None, None],
+        bigrams, ends = ContextBigrams(context_ids, self.config.vocab_size, context_valid), anchor_positions
+        pairs = bigrams.seen(
+            candidates[..., :-1, :, None], candidates[..., 1:, None, :], None if ends is None else ends[..., None, None, None]
         )
-        first = bigram_seen(
-            context_ids, anchor_ids[..., None], candidates[..., 0, :], vocab, context_valid,
-            None if ends is None else ends[..., None],
-        )
-        return pairs, first
+        if not self.config.correct_first_slot:
+            return pairs, None
+        return pairs, bigrams.seen(anchor_ids[..., None], candidates[..., 0, :], None if ends is None else ends[..., None])
 
     # ------------------------------------------------------------------ transformers assisted generation
 
