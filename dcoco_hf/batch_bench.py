@@ -169,6 +169,8 @@ def format_batch_table(report: dict[str, Any]) -> str:
 
 
 def add_bench_batch_parser(commands: Any, common: argparse.ArgumentParser) -> None:
+    from .cli import add_prompt_arguments  # cli imports this module to build its parser
+
     parser = commands.add_parser(
         "bench-batch",
         parents=[common],
@@ -180,9 +182,7 @@ def add_bench_batch_parser(commands: Any, common: argparse.ArgumentParser) -> No
     parser.add_argument("--batch-size", default="1,4,8,16,32", help="comma-separated batch sizes (default 1,4,8,16,32)")
     parser.add_argument("--methods", default=",".join(BATCH_METHODS),
                         help=f"comma-separated subset of {','.join(BATCH_METHODS)} (default: all)")
-    parser.add_argument("--suite", default=None, help="comma-separated prompt suites (default: the bench defaults)")
-    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='extra prompts, {"prompt": ...} per line')
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
+    add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per row (default 64)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed short rounds per batch size (default 1)")
     parser.add_argument("--random-drafter", action="store_true",

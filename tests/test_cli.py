@@ -367,6 +367,7 @@ def test_generate_prints_tau_speedup_and_identity(tiny):
         (["bench", "--prompts", "no/such/file.jsonl"], "no such file"),
         (["bench", "--max-new-tokens", "1"], "at least 2 new tokens"),
         (["bench", "--suite", "mtbench", "--limit", "0"], "--limit 0"),
+        (["bench", "--suite", "mtbench", "--skip", "-1"], "--skip -1"),
         (["generate", "hi", "--temperature", "-1"], "negative"),
         (["bench", "--target", "./missing-model"], "no such folder"),
     ],
@@ -383,6 +384,18 @@ def test_bad_prompts_file_names_the_line(tmp_path):
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n', encoding="utf-8")
     result = run_cli("bench", "--prompts", path)
     assert result.code == 2 and "line 2" in result.err
+
+
+def test_skip_selects_the_next_prompts_of_each_suite(tmp_path):
+    """--skip 1 --limit 1 is the second prompt, numbered as in its suite; a --skip past the suite's end is refused."""
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ("one", "two", "three")), encoding="utf-8")
+    args = cli.build_parser().parse_args(["bench", "--prompts", str(path), "--skip", "1", "--limit", "1"])
+    assert [(item.index, item.text) for item in cli.collect_prompts(args)] == [(1, "two")]
+    args = cli.build_parser().parse_args(["bench", "--prompts", str(path), "--skip", "1"])
+    assert [item.text for item in cli.collect_prompts(args)] == ["two", "three"]
+    refused = run_cli("bench", "--prompts", path, "--skip", "3")
+    assert refused.code == 2 and "--skip 3 leaves no prompt of suite 'three', which has 3" in refused.err, refused.err
 
 
 def test_auto_block_size(tiny, tmp_path):

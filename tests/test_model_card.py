@@ -78,3 +78,16 @@ def test_recorded_block_tau_is_the_block_size_bench():
     }
     assert config["block_tau"] == measured
     assert sorted(map(int, measured)) == list(range(2, config["max_block_size"] + 1))
+
+
+def test_card_states_the_check_on_prompts_no_choice_was_made_on():
+    """The weights were picked partly on the first 20 prompts of each suite; the card's ratio on the next 20 is
+    bench_prompts_21-40.json's, with every output equal to plain greedy."""
+    report = json.loads((CARD / "bench_prompts_21-40.json").read_text())
+    assert report["config"]["skip"] == 20 and report["config"]["suites"] == {"humaneval": 20, "mtbench": 20}
+    card = (CARD / "README.md").read_text()
+    for suite, name in (("humaneval", "HumanEval"), ("mtbench", "MT-Bench")):
+        summaries = report["suites"][suite]
+        assert summaries["dcoco@4"]["equal_to_vanilla"] == summaries["dflash@4"]["equal_to_vanilla"] == 1.0
+        ratio = summaries["dcoco@4"]["tau"] / summaries["dflash@4"]["tau"]
+        assert f"{name} {ratio:.3f}" in card, (suite, ratio)
