@@ -12,7 +12,7 @@ from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
 from .configuration_dcoco import DCOCOConfig
 from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
-from .corrector import ContextBigrams, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from .generation import SpeculativeOutput, speculative_generate
 from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
 
@@ -25,6 +25,7 @@ __all__ = [
     "BlockSizeChoice",
     "CPU_GQA_ATTENTION",
     "ContextBigrams",
+    "CorpusBigrams",
     "DCOCOCandidateGenerator",
     "DCOCOConfig",
     "DCOCOCorrector",

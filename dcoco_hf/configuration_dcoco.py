@@ -47,6 +47,9 @@ class DCOCOConfig(PreTrainedConfig):
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
         context_bigrams: the corrector's MLP also reads whether each candidate pair (a, b) already occurs in the
             committed text (our extension, dcoco_hf/corrector.py). Needs a corrector trained with it.
+        corpus_bigrams: when set, the corrector's MLP also reads how often each candidate pair was written in the
+            target's training answers; the value is the number of distinct pairs counted, whose counts are stored
+            with the weights (`CorpusBigrams`, our extension). Needs a corrector trained with it. None: off.
         draft_vocab_size: when set, the drafter proposes only from this many target tokens (a frequency-ranked
             draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
@@ -87,6 +90,7 @@ class DCOCOConfig(PreTrainedConfig):
     geometric_lambda: float = 0.75
     correct_first_slot: bool = False
     context_bigrams: bool = False
+    corpus_bigrams: int | None = None
     draft_vocab_size: int | None = None
     block_tau: dict | None = None
 
@@ -119,6 +123,7 @@ class DCOCOConfig(PreTrainedConfig):
         geometric_lambda: float = 0.75,
         correct_first_slot: bool = False,
         context_bigrams: bool = False,
+        corpus_bigrams: int | None = None,
         draft_vocab_size: int | None = None,
         block_tau: dict[str, float] | None = None,
         layer_types: list[str] | None = None,
@@ -158,6 +163,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.geometric_lambda = geometric_lambda
         self.correct_first_slot = bool(correct_first_slot)
         self.context_bigrams = bool(context_bigrams)
+        self.corpus_bigrams = int(corpus_bigrams) if corpus_bigrams is not None else None
         self.draft_vocab_size = draft_vocab_size
         # JSON keys are strings; ints are accepted too.
         self.block_tau = {str(int(b)): float(t) for b, t in block_tau.items()} if block_tau is not None else None
@@ -199,6 +205,10 @@ class DCOCOConfig(PreTrainedConfig):
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must lie in [top_k={self.top_k}, vocab_size={self.vocab_size}]"
                 "; use None to propose from the whole vocabulary."
+            )
+        if self.corpus_bigrams is not None and self.corpus_bigrams < 1:
+            raise ValueError(
+                f"corpus_bigrams={self.corpus_bigrams} must be the number of pairs counted (>= 1), or None for off."
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(

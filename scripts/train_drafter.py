@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from dcoco_hf import DCOCODrafter
+from dcoco_hf import CorpusBigrams, DCOCODrafter
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import PAIR_LOSSES
@@ -55,6 +55,10 @@ def parse_args() -> argparse.Namespace:
                    help="stage 2 with --init: the corrector also reads whether each candidate pair occurs in the "
                         "committed text (config `context_bigrams`; its new weights start at zero, so the scores "
                         "start as before)")
+    p.add_argument("--corpus-bigrams", action="store_true",
+                   help="stage 2 with --init: the corrector also reads how often each candidate pair was written in "
+                        "the --data answers (counted once per folder, stored with the weights; config "
+                        "`corpus_bigrams`; its new weights start at zero)")
     p.add_argument("--corrector-hidden", type=int, default=None,
                    help="stage 2 with --init: widen the corrector's transition MLP to this many hidden units; the "
                         "widened corrector scores exactly as before until trained (config `corrector_hidden`)")
@@ -90,6 +94,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--pair-loss chooses the corrector's loss, which stage 1 does not train: use it with --stage 2")
     if args.context_bigrams and (args.stage != 2 or not args.init):
         p.error("--context-bigrams adds an input to the corrector of an existing drafter: use it with --stage 2 --init")
+    if args.corpus_bigrams and (args.stage != 2 or not args.init):
+        p.error("--corpus-bigrams adds an input to the corrector of an existing drafter: use it with --stage 2 --init")
     if args.correct_first_slot and args.stage != 2:
         p.error("--correct-first-slot trains corrector scores, which stage 1 leaves at zero: use it with --stage 2")
     for name, default in NEW_DRAFTER.items():
@@ -105,6 +111,11 @@ def main() -> None:
     if args.init:
         added = {"context_bigrams": True} if args.context_bigrams else {}  # its zero-started weights are missing
         drafter = DCOCODrafter.from_pretrained(args.init, **added).attach(target)
+        if args.corpus_bigrams:  # each folder once, however often --data names it: the counts are the corpus's
+            drafter.set_corpus_bigrams(CorpusBigrams.count(
+                ((r["input_ids"], r["loss_mask"]) for folder in dict.fromkeys(args.data) for r in load_shards(folder)),
+                target.config.vocab_size,
+            ))
         drafter.config.correct_first_slot |= args.correct_first_slot
         if args.corrector_hidden is not None:
             drafter.corrector = drafter.corrector.widened(args.corrector_hidden)
@@ -151,7 +162,8 @@ def main() -> None:
                "training_block_sizes": list(model.block_sizes),
                "drafter": {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
                            "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids,
-                           "correct_first_slot": cfg.correct_first_slot, "context_bigrams": cfg.context_bigrams},
+                           "correct_first_slot": cfg.correct_first_slot, "context_bigrams": cfg.context_bigrams,
+                           "corpus_bigrams": cfg.corpus_bigrams},
                "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:]}
     (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
 

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.corrector import DCOCOCorrector
+from dcoco_hf.corrector import CorpusBigrams, DCOCOCorrector
 from dcoco_hf.training import drafter_loss, target_context
 
 # Tiny models are dominated by per-op overhead; a second OpenMP thread only adds contention on 2-core machines (10x).
@@ -64,15 +64,21 @@ def fit_drafter(target, block_size: int = 8, top_k: int = 4, steps: int = 120, s
 
 
 def scrambled(
-    drafter: DCOCODrafter, seed: int = 0, scale: float = 3.0, context_bigrams: bool = False
+    drafter: DCOCODrafter,
+    seed: int = 0,
+    scale: float = 3.0,
+    context_bigrams: bool = False,
+    corpus: CorpusBigrams | None = None,
 ) -> DCOCODrafter:
     """A copy (attached to the same target) whose corrector is random enough to overrule the drafter's argmax;
-    with `context_bigrams`, a corrector that also reads m(a, b)."""
+    with `context_bigrams`, a corrector that also reads m(a, b); with `corpus`, one that also reads those counts."""
     clone = copy.deepcopy(drafter).attach(drafter.target)
     if context_bigrams:
         cfg = clone.config
         cfg.context_bigrams = True
         clone.corrector = DCOCOCorrector(cfg.hidden_size, cfg.corrector_rank, cfg.corrector_hidden, True)
+    if corpus is not None:
+        clone.set_corpus_bigrams(corpus)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in clone.corrector.parameters():

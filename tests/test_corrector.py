@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import pytest
 import torch
 from conftest import scrambled
 from torch.nn import functional as F
 
-from dcoco_hf import ContextBigrams, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from dcoco_hf import ContextBigrams, CorpusBigrams, DCOCOConfig, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 
@@ -103,9 +104,11 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
 # ---------------------------------------------------------------------------------------------------- scores
 
 
-def _random_corrector(hidden: int, rank: int, mlp: int, context_bigrams: bool = False) -> DCOCOCorrector:
+def _random_corrector(
+    hidden: int, rank: int, mlp: int, context_bigrams: bool = False, corpus_bigrams: bool = False
+) -> DCOCOCorrector:
     """A float64 corrector whose every parameter (delta_out and the LayerNorm affine included) is random."""
-    corrector = DCOCOCorrector(hidden, rank, mlp, context_bigrams).double()
+    corrector = DCOCOCorrector(hidden, rank, mlp, context_bigrams, corpus_bigrams).double()
     with torch.no_grad():
         for param in corrector.parameters():
             param.copy_(torch.randn(param.shape, dtype=torch.float64))
@@ -120,30 +123,36 @@ def _naive_z(c: DCOCOCorrector, embed: torch.Tensor, h: torch.Tensor) -> torch.T
     return F.layer_norm(fused, (c.rank,), c.fuse_norm.weight, c.fuse_norm.bias, c.fuse_norm.eps)
 
 
-def _naive_score(c, h_prev, h_next, z_prev, z_next, l_prev, l_next, seen=None) -> torch.Tensor:
-    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next(; m)]) on one concatenated
-    row (m: whether the pair occurs in the committed text, with `context_bigrams`)."""
+def _naive_score(c, h_prev, h_next, z_prev, z_next, l_prev, l_next, seen=None, corpus=None) -> torch.Tensor:
+    """S(a, b) = l_next + Delta([W_pair [h_prev; h_next]; z_prev; z_next; l_prev; l_next(; m)(; corpus)]) on one
+    concatenated row (m: whether the pair occurs in the committed text, with `context_bigrams`; corpus: its two
+    corpus inputs, with `corpus_bigrams`)."""
     weights = [c.delta_pair.weight, c.delta_prev.weight, c.delta_next.weight, c.delta_logits.weight]
-    inputs = 3 * c.rank + 2 + (seen is not None)
-    first_w = torch.cat(weights + ([c.delta_seen.weight] if seen is not None else []), dim=1)
+    weights += [c.delta_seen.weight] if seen is not None else []
+    weights += [c.delta_corpus.weight] if corpus is not None else []
+    inputs = 3 * c.rank + 2 + (seen is not None) + 2 * (corpus is not None)
+    first_w = torch.cat(weights, dim=1)
     assert first_w.shape == (c.delta_pair.out_features, inputs)
     s = c.pair_proj.weight @ torch.cat([h_prev, h_next])
-    x = torch.cat([s, z_prev, z_next, l_prev.reshape(1), l_next.reshape(1)] + ([seen.reshape(1)] if seen is not None else []))
+    extra = ([seen.reshape(1)] if seen is not None else []) + ([corpus.reshape(2)] if corpus is not None else [])
+    x = torch.cat([s, z_prev, z_next, l_prev.reshape(1), l_next.reshape(1)] + extra)
     assert x.shape == (inputs,)
     delta = c.delta_out.weight @ F.gelu(first_w @ x + c.delta_pair.bias) + c.delta_out.bias
     return l_next + delta.squeeze()
 
 
-@pytest.mark.parametrize("bigrams", [False, True], ids=["paper", "context_bigrams"])
-def test_batched_scores_equal_naive_concatenation(bigrams):
+@pytest.mark.parametrize("bigrams,corpus", [(False, False), (True, False), (True, True)],
+                         ids=["paper", "context_bigrams", "corpus_bigrams"])
+def test_batched_scores_equal_naive_concatenation(bigrams, corpus):
     torch.manual_seed(0)
     hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
-    c = _random_corrector(hidden, rank, mlp, bigrams)
+    c = _random_corrector(hidden, rank, mlp, bigrams, corpus)
     slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
     embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
     logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
     seen = torch.rand(batch, slots - 1, k, k) < 0.5 if bigrams else None
-    batched = c(slot_hidden, embeds, logits, seen)
+    counts = torch.randn(batch, slots - 1, k, k, 2, dtype=torch.float64) if corpus else None
+    batched = c(slot_hidden, embeds, logits, seen, counts)
     assert batched.shape == (batch, slots - 1, k, k)
 
     naive = torch.empty_like(batched)
@@ -151,7 +160,7 @@ def test_batched_scores_equal_naive_concatenation(bigrams):
         naive[b, p, a, n] = _naive_score(
             c, slot_hidden[b, p], slot_hidden[b, p + 1], _naive_z(c, embeds[b, p, a], slot_hidden[b, p]),
             _naive_z(c, embeds[b, p + 1, n], slot_hidden[b, p + 1]), logits[b, p, a], logits[b, p + 1, n],
-            None if seen is None else seen[b, p, a, n].double(),
+            None if seen is None else seen[b, p, a, n].double(), None if counts is None else counts[b, p, a, n],
         )
     assert (naive - logits[:, 1:, None, :]).abs().min() > 1e-6  # Delta really is non-zero everywhere
     torch.testing.assert_close(batched, naive, rtol=1e-10, atol=1e-10)
@@ -225,6 +234,57 @@ def test_context_bigram_input_starts_at_zero():
     with pytest.raises(ValueError, match="context_bigrams"):
         c(slot_hidden, embeds, logits, seen)
     assert with_input.widened(9).delta_seen.weight.shape == (9, 1)
+
+
+def test_corpus_bigrams_count_and_leave_one_out_on_hand_worked_texts():
+    """c(a, b) and n(a) over the learned tokens only; in training each row's own pairs leave the counts."""
+    texts = [
+        (torch.tensor([5, 7, 5, 9, 7, 5]), torch.tensor([0, 1, 1, 1, 1, 1], dtype=torch.bool)),  # (5,7) (7,5) (5,9) (9,7) (7,5)
+        (torch.tensor([3, 5, 7], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.bool)),  # (5,7); (3,5) unlearned
+        (torch.tensor([4]), torch.tensor([True])),  # one token: no pair
+    ]
+    table = CorpusBigrams.count(texts, vocab_size=10)
+    assert table.pair_keys.tolist() == [57, 59, 75, 97] and table.pair_counts.tolist() == [2, 1, 2, 1]
+    assert table.first_counts[[5, 7, 9, 3]].tolist() == [3, 2, 1, 0]
+    first, second = torch.tensor([[5, 7, 9, 3]]), torch.tensor([[7, 5, 7, 5]])
+    log = torch.log1p(torch.tensor([2.0, 2.0, 1.0, 0.0]))
+    expected = torch.stack([log, log - torch.log1p(torch.tensor([3.0, 2.0, 1.0, 0.0]))], -1)[None]
+    torch.testing.assert_close(table.inputs(first, second), expected)
+    # Leave-one-out against the first text: only the second text's (5, 7) is left.
+    own = (texts[0][0][None], texts[0][1][None])
+    left = torch.tensor([[[math.log(2), 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
+    torch.testing.assert_close(table.inputs(first, second, exclude=own), left)
+    # Rows leave out only their own text; broadcasting [B, K, 1] x [B, 1, K] as for slot pairs.
+    rows = table.inputs(torch.tensor([5, 5]).view(2, 1, 1), torch.tensor([7, 9]).view(1, 1, 2).expand(2, 1, 2),
+                        exclude=(torch.stack([texts[0][0], torch.zeros(6, dtype=torch.long)]),
+                                 torch.stack([texts[0][1], torch.zeros(6, dtype=torch.bool)])))
+    assert rows.shape == (2, 1, 2, 2)
+    assert rows[0, 0, :, 0].tolist() == pytest.approx([math.log(2), 0.0])  # (5,7): 2 - 1; (5,9): 1 - 1
+    assert rows[1, 0, :, 0].tolist() == pytest.approx([math.log(3), math.log(2)])  # row 1 excludes nothing
+    with pytest.raises(ValueError, match="No token pair"):
+        CorpusBigrams.count(texts[2:], vocab_size=10)
+
+
+def test_corpus_input_starts_at_zero():
+    """A trained corrector given the corpus inputs scores exactly as before until trained; they must match it."""
+    torch.manual_seed(4)
+    hidden, rank, mlp, batch, slots, k = 12, 5, 7, 2, 4, 3
+    c = _random_corrector(hidden, rank, mlp)
+    with_input = copy.deepcopy(c)
+    with_input.add_corpus_input()
+    assert with_input.delta_corpus.weight.dtype == torch.float64 and with_input.delta_corpus.weight.abs().sum() == 0
+    slot_hidden = torch.randn(batch, slots, hidden, dtype=torch.float64) * 3
+    embeds = torch.randn(batch, slots, k, hidden, dtype=torch.float64) * 0.1
+    logits = torch.randn(batch, slots, k, dtype=torch.float64) * 4
+    counts = torch.rand(batch, slots - 1, k, k, 2, dtype=torch.float64) * 5
+    torch.testing.assert_close(with_input(slot_hidden, embeds, logits, corpus=counts), c(slot_hidden, embeds, logits))
+    with_input(slot_hidden, embeds, logits, corpus=counts).sum().backward()
+    assert with_input.delta_corpus.weight.grad.abs().sum() > 0  # trainable from the first step
+    with pytest.raises(ValueError, match="corpus_bigrams"):
+        with_input(slot_hidden, embeds, logits)
+    with pytest.raises(ValueError, match="corpus_bigrams"):
+        c(slot_hidden, embeds, logits, corpus=counts)
+    assert with_input.widened(9).delta_corpus.weight.shape == (9, 2)
 
 
 def test_widened_corrector_scores_as_before_until_trained():
@@ -332,3 +392,14 @@ def test_walks_equal_brute_force_on_random_tables():
         assert prefix_first_walk(scores).tolist() == _greedy_by_hand(scores)
         for decay in (1.0, 0.75, 0.3):
             assert viterbi_walk(scores, first, decay=decay).tolist() == _brute_force(scores, first, decay), decay
+
+
+def test_bad_corpus_tables_are_refused(fitted):
+    target, trained = fitted
+    drafter = copy.deepcopy(trained).attach(target)
+    vocab = drafter.config.vocab_size
+    other = CorpusBigrams.count([(torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.bool))], vocab_size=vocab + 1)
+    with pytest.raises(ValueError, match=f"vocabulary of {vocab + 1}"):
+        drafter.set_corpus_bigrams(other)
+    with pytest.raises(ValueError, match="corpus_bigrams=0 must be the number of pairs counted"):
+        DCOCOConfig(vocab_size=vocab, target_layer_ids=[0], corpus_bigrams=0)

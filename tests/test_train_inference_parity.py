@@ -12,18 +12,25 @@ import pytest
 import torch
 from conftest import scrambled
 
-from dcoco_hf import speculative_generate
+from dcoco_hf import CorpusBigrams, speculative_generate
 from dcoco_hf.training import pack_blocks, target_context
 
 
-@pytest.mark.parametrize("bigrams", [False, True], ids=["", "context_bigrams"])
+@pytest.mark.parametrize("inputs", ["", "context_bigrams", "corpus_bigrams"])
 @pytest.mark.parametrize("path", ["assisted", "batched"])
-def test_drafted_blocks_equal_the_training_forward(fitted, path, bigrams, monkeypatch):
+def test_drafted_blocks_equal_the_training_forward(fitted, path, inputs, monkeypatch):
     target, fitted_drafter = fitted
     # A corrector that overrules the drafter, scoring the anchor -> slot 1 transitions too (and, with
-    # context_bigrams, reading m(a, b)): its scores must also be the training forward's, and the outputs stay the
-    # target's own. The training side sees the whole output, so its m(a, b) must stop at each block's anchor.
-    drafter = scrambled(fitted_drafter, seed=2, context_bigrams=bigrams)
+    # context_bigrams, reading m(a, b), or with corpus_bigrams the counts of the target's answers to other prompts):
+    # its scores must also be the training forward's, and the outputs stay the target's own. The training side sees
+    # the whole output, so its m(a, b) must stop at each block's anchor.
+    bigrams = inputs == "context_bigrams"
+    corpus = None
+    if inputs == "corpus_bigrams":
+        others = torch.randint(0, target.config.vocab_size, (6, 4), generator=torch.Generator().manual_seed(3))
+        answers = target.generate(others, attention_mask=torch.ones_like(others), max_new_tokens=30, do_sample=False)
+        corpus = CorpusBigrams.count(((ids, torch.arange(ids.numel()) >= 4) for ids in answers), target.config.vocab_size)
+    drafter = scrambled(fitted_drafter, seed=2, context_bigrams=bigrams, corpus=corpus)
     cfg = drafter.config
     cfg.correct_first_slot = True
     drafted = []  # (anchor position, context rows the drafter holds, proposal) per cycle
@@ -64,14 +71,20 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, bigrams, monkey
         logits, candidates = drafter.proposal_logits(block_hidden[:, 1:])[0].topk(cfg.top_k, dim=-1)  # [m, S, K]
         anchor_ids = blocks.block_ids.view(-1, cfg.block_size)[:, 0]  # [m]
         seen, first_seen = drafter.candidate_bigrams(anchor_ids[None], candidates[None], out, anchor_positions=anchors)
+        # Drafting has no record to leave out of the counts (training's leave-one-out is its only difference).
+        counts, first_counts = drafter.candidate_corpus_inputs(anchor_ids[None], candidates[None])
         first = drafter.first_slot_scores(block_hidden, anchor_ids, drafter.embed(candidates[:, 0]), logits,
-                                          None if first_seen is None else first_seen[0])  # [m, K]
+                                          None if first_seen is None else first_seen[0],
+                                          None if first_counts is None else first_counts[0])  # [m, K]
         pairs = drafter.corrector(block_hidden[:, 1:], drafter.embed(candidates), logits,
-                                  None if seen is None else seen[0])  # [m, S - 1, K, K]
+                                  None if seen is None else seen[0],
+                                  None if counts is None else counts[0])  # [m, S - 1, K, K]
     if bigrams:  # the input really varies, and the full text would have said otherwise for some block
         assert 0 < int(seen.sum()) < seen.numel()
         everywhere = drafter.candidate_bigrams(anchor_ids[None], candidates[None], out)
         assert not (torch.equal(seen, everywhere[0]) and torch.equal(first_seen, everywhere[1]))
+    if corpus is not None:  # some candidate pairs were counted, some not
+        assert 0 < int((counts[..., 0] > 0).sum()) < counts[..., 0].numel()
     close = dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.stack([p.candidate_logits[0] for _, _, p in drafted]), logits, **close)
     torch.testing.assert_close(torch.stack([p.first_slot_scores[0] for _, _, p in drafted]), first, **close)

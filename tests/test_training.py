@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, fit_drafter, function_signatures, make_target
+from safetensors.torch import load_file, save_file
 from transformers import TrainingArguments
 
-from dcoco_hf import DCOCODrafter
+from dcoco_hf import CorpusBigrams, DCOCODrafter
 from dcoco_hf.training import pack_blocks, sample_anchors, target_context, transition_labels
 from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import dcoco_loss, successor_loss
@@ -430,11 +431,7 @@ def test_mixed_horizons_train_each_block_size_in_turn_and_leave_the_drafting_siz
 def test_successor_pair_loss_trains_the_walks_decision(tmp_path):
     """With `pair_loss="successor"` the corrector learns only the true predecessor's row, and that is enough to pick
     the true successor more often than the drafter's argmax on the records it sees."""
-    target = make_target("llama")
-    drafter = fit_drafter(target, block_size=4, top_k=4, steps=40)
-    with torch.no_grad():  # fit_drafter trains the corrector jointly; start this one from the untrained corrector
-        drafter.corrector.delta_out.weight.zero_()
-        drafter.corrector.delta_out.bias.zero_()
+    target, drafter = _backbone_with_untrained_corrector()  # fit_drafter trains the corrector jointly
     records = _records(target)
     evaluate = _loss_on(records, drafter, target)
 
@@ -450,14 +447,20 @@ def test_successor_pair_loss_trains_the_walks_decision(tmp_path):
     assert drafter_after == drafter_before and corrector_after > corrector_before
 
 
+def _backbone_with_untrained_corrector():
+    """A fitted tiny drafter whose corrector output is zero again, so that corrector training has something to gain."""
+    target = make_target("llama")
+    drafter = fit_drafter(target, block_size=4, top_k=4, steps=40)
+    with torch.no_grad():
+        drafter.corrector.delta_out.weight.zero_()
+        drafter.corrector.delta_out.bias.zero_()
+    return target, drafter
+
+
 def test_context_bigrams_join_a_trained_corrector_at_zero_and_then_train(tmp_path):
     """`from_pretrained(folder, context_bigrams=True)` (what `train_drafter.py --context-bigrams` does) adds the
     m(a, b) input with zero weights, so the corrector's picks are unchanged; corrector-only training then uses it."""
-    target = make_target("llama")
-    drafter = fit_drafter(target, block_size=4, top_k=4, steps=40)
-    with torch.no_grad():  # start from the untrained corrector, so that training has something to gain
-        drafter.corrector.delta_out.weight.zero_()
-        drafter.corrector.delta_out.bias.zero_()
+    target, drafter = _backbone_with_untrained_corrector()
     drafter.save_pretrained(tmp_path / "drafter")
     records = _records(target)
     before = _loss_on(records, drafter, target)().successor_accuracy
@@ -470,3 +473,34 @@ def test_context_bigrams_join_a_trained_corrector_at_zero_and_then_train(tmp_pat
     _trainer(model, tmp_path / "run", steps=30).train()
     assert widened.corrector.delta_seen.weight.abs().sum() > 0
     assert evaluate().successor_accuracy[1] > before[1]
+
+
+def test_corpus_bigrams_join_a_trained_corrector_at_zero_train_and_round_trip(tmp_path):
+    """`set_corpus_bigrams(CorpusBigrams.count(...))` (what `train_drafter.py --corpus-bigrams` does) adds the corpus
+    inputs with zero weights, so the corrector's picks are unchanged; corrector-only training then uses them, and the
+    counts travel with the weights (a checkpoint that lost them is an error, not a silent table of zeros)."""
+    target, drafter = _backbone_with_untrained_corrector()
+    records = _records(target)
+    before = _loss_on(records, drafter, target)().successor_accuracy
+    table = CorpusBigrams.count(((r["input_ids"], r["loss_mask"]) for r in records), target.config.vocab_size)
+    drafter.set_corpus_bigrams(table)
+    assert drafter.config.corpus_bigrams == table.num_pairs > 0
+    assert drafter.corrector.delta_corpus.weight.abs().sum() == 0
+    evaluate = _loss_on(records, drafter, target)
+    assert evaluate().successor_accuracy == before
+    model = DrafterTrainingModel(drafter, target, stage=2, num_anchors=8, corrector_only=True)
+    model._records = records
+    _trainer(model, tmp_path / "run", steps=30).train()
+    assert drafter.corrector.delta_corpus.weight.abs().sum() > 0
+    assert evaluate().successor_accuracy[1] > before[1]
+
+    drafter.save_pretrained(tmp_path / "saved")
+    loaded = DCOCODrafter.from_pretrained(tmp_path / "saved").attach(target)
+    for name in ("pair_keys", "pair_counts", "first_counts"):
+        assert torch.equal(getattr(loaded.corpus_bigrams, name), getattr(table, name))
+    torch.testing.assert_close(loaded.corrector.delta_corpus.weight, drafter.corrector.delta_corpus.weight)
+    weights = load_file(tmp_path / "saved" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("corpus_bigrams.")},
+              tmp_path / "saved" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 3 drafter weight"):
+        DCOCODrafter.from_pretrained(tmp_path / "saved")

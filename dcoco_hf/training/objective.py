@@ -121,11 +121,14 @@ def drafter_loss(
     anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]  # [N, m]
     # m(a, b) over the text up to each block's anchor, as drafting sees it ([N, m, S-1, K, K], [N, m, K]).
     seen, first_seen = drafter.candidate_bigrams(anchor_ids, candidates, input_ids, anchor_positions=blocks.anchors)
+    # Corpus counts without each record's own pairs, as for a prompt the corpus never saw ([N, m, S-1, K, K, 2]).
+    corpus, first_corpus = drafter.candidate_corpus_inputs(anchor_ids, candidates, exclude=(input_ids, loss_mask))
     scores = drafter.corrector(
         slot_hidden.flatten(0, 1)[rows],
         drafter.embed(candidates.flatten(0, 1)[rows]).to(slot_hidden.dtype),
         candidate_logits.flatten(0, 1)[rows],
         None if seen is None else seen.flatten(0, 1)[rows],
+        None if corpus is None else corpus.flatten(0, 1)[rows],
     )  # [R, S-1, K, K]
     pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
     stage2 = pair_loss_of(scores, pair_index, usable, rho)
@@ -136,6 +139,7 @@ def drafter_loss(
             first_scores = drafter.first_slot_scores(
                 block_hidden[found], anchor_ids[found], drafter.embed(candidates[:, :, 0][found]),
                 candidate_logits[found], None if first_seen is None else first_seen[found],
+                None if first_corpus is None else first_corpus[found],
             )  # [F, K]
             stage2 = stage2 + first_slot_loss(first_scores, index[found])
             with torch.no_grad():

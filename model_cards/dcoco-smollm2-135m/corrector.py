@@ -28,12 +28,22 @@ after a is the cheapest evidence about that pair (code repeats its identifiers, 
 token ids with one sort, no forward. Its Delta weights start at zero, so adding it to a trained corrector changes
 nothing until trained.
 
+Our third extension (`DCOCOConfig.corpus_bigrams`, off by default): Delta also reads how often b directly followed a
+in the target's own answers to the training prompts, c(a, b), and how often a was followed by anything, n(a), as
+log(1 + c) and log(1 + c) - log(1 + n) (a smoothed log P(b | a)). `CorpusBigrams` stores the counts with the weights
+(a few hundred KB), so drafting reads them with one sorted lookup. Where m(a, b) knows the prompt at hand, c(a, b)
+knows the target's habits ("Here are some", "**Step 1:**"), which is what chat blocks lack most. In training each
+record's own pairs are taken out of the counts (leave-one-out), so the corrector learns how far counts from other
+texts can be trusted, as on a new prompt. Its Delta weights start at zero too.
+
 The first layer of Delta is stored as four linear maps, one per input group ([s_p], [z_p^a], [z_{p+1}^b],
 [l_p(a), l_{p+1}(b)]). That is the same 3r+2 -> hidden affine map with the same parameter count, but the batched op
 then costs O(P K hidden) for the projections plus one broadcast add, instead of a matmul over P K^2 concatenated rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -48,9 +58,17 @@ class DCOCOCorrector(nn.Module):
         rank: width r of candidate representations and slot-pair states (paper: 128).
         mlp_hidden: hidden width of the transition MLP Delta (paper: 256).
         context_bigrams: Delta also reads m(a, b), whether the pair occurs in the committed text (module docstring).
+        corpus_bigrams: Delta also reads the pair's counts in the training answers (`CorpusBigrams.inputs`).
     """
 
-    def __init__(self, hidden_size: int, rank: int = 128, mlp_hidden: int = 256, context_bigrams: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        rank: int = 128,
+        mlp_hidden: int = 256,
+        context_bigrams: bool = False,
+        corpus_bigrams: bool = False,
+    ) -> None:
         super().__init__()
         self.rank = rank
         self.cand_proj = nn.Linear(hidden_size, rank, bias=False)  # W_cand
@@ -73,6 +91,18 @@ class DCOCOCorrector(nn.Module):
         self.delta_out.zero_init = True  # honoured by DCOCOPreTrainedModel._init_weights
         nn.init.zeros_(self.delta_out.weight)
         nn.init.zeros_(self.delta_out.bias)
+        self.delta_corpus = None
+        if corpus_bigrams:
+            self.add_corpus_input()
+
+    def add_corpus_input(self) -> None:
+        """Give Delta the two corpus inputs of `CorpusBigrams.inputs`, with zero weights: a trained corrector scores
+        exactly as before until trained."""
+        if self.delta_corpus is None:
+            ref = self.delta_out.weight
+            self.delta_corpus = nn.Linear(CorpusBigrams.NUM_INPUTS, self.delta_out.in_features, bias=False).to(ref)
+            self.delta_corpus.zero_init = True
+            nn.init.zeros_(self.delta_corpus.weight)
 
     def widened(self, mlp_hidden: int) -> "DCOCOCorrector":
         """A copy whose Delta has `mlp_hidden` hidden units and scores every transition exactly as this one does.
@@ -85,11 +115,12 @@ class DCOCOCorrector(nn.Module):
         if mlp_hidden < old_hidden:
             raise ValueError(f"mlp_hidden={mlp_hidden} is below the current {old_hidden}: widening only adds units.")
         wide = DCOCOCorrector(
-            self.pair_proj.in_features // 2, self.rank, mlp_hidden, self.delta_seen is not None
+            self.pair_proj.in_features // 2, self.rank, mlp_hidden, self.delta_seen is not None,
+            self.delta_corpus is not None,
         ).to(self.delta_out.weight)
         state = wide.state_dict()
         for name, tensor in self.state_dict().items():
-            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits", "delta_seen")):  # [hidden, .]
+            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits", "delta_seen", "delta_corpus")):
                 state[name][:old_hidden] = tensor
             elif name == "delta_out.weight":  # [1, hidden]
                 state[name].zero_()[:, :old_hidden] = tensor
@@ -112,6 +143,7 @@ class DCOCOCorrector(nn.Module):
         candidate_embeds: torch.Tensor,
         candidate_logits: torch.Tensor,
         seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Transition scores S_p(a, b) for every adjacent pair of drafted slots.
 
@@ -120,13 +152,15 @@ class DCOCOCorrector(nn.Module):
             candidate_embeds: [B, S, K, H] target embeddings of each slot's top-K candidates.
             candidate_logits: [B, S, K] drafter logits of those candidates.
             seen: [B, S - 1, K, K] m(a, b) of each transition (`ContextBigrams.seen`), with `context_bigrams` only.
+            corpus: [B, S - 1, K, K, 2] corpus inputs of each transition (`CorpusBigrams.inputs`), with
+                `corpus_bigrams` only.
         Returns:
             [B, S - 1, K, K] scores; entry [b, p, a, c] scores candidate c at slot p + 1 after candidate a at slot p.
         """
         logits = candidate_logits.to(slot_hidden.dtype)
         z = self.candidate_representations(candidate_embeds, slot_hidden)  # [B, S, K, r]
         pair = self.pair_proj(torch.cat([slot_hidden[:, :-1], slot_hidden[:, 1:]], dim=-1))  # [B, P, r]
-        return self._transition_scores(pair, z[:, :-1], z[:, 1:], logits[:, :-1], logits[:, 1:], seen)
+        return self._transition_scores(pair, z[:, :-1], z[:, 1:], logits[:, :-1], logits[:, 1:], seen, corpus)
 
     def first_slot_scores(
         self,
@@ -136,6 +170,7 @@ class DCOCOCorrector(nn.Module):
         candidate_embeds: torch.Tensor,
         candidate_logits: torch.Tensor,
         seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Anchor -> slot 1 transition scores S_0(anchor, b) (`correct_first_slot`), by the same Delta.
 
@@ -146,6 +181,7 @@ class DCOCOCorrector(nn.Module):
             candidate_embeds: [B, K, H] target embeddings of slot 1's candidates.
             candidate_logits: [B, K] their drafter logits.
             seen: [B, K] m(anchor, b) of each candidate, with `context_bigrams` only.
+            corpus: [B, K, 2] corpus inputs of (anchor, b), with `corpus_bigrams` only.
         Returns:
             [B, K] scores of slot 1's candidates after the anchor.
         """
@@ -155,7 +191,10 @@ class DCOCOCorrector(nn.Module):
         pair = self.pair_proj(torch.cat([anchor_hidden, slot_hidden], dim=-1))[:, None]  # [B, 1, r]
         # The anchor is certain and has no drafter logit: its logit input is 0.
         seen = None if seen is None else seen[:, None, None]  # [B, 1, 1, K]
-        scores = self._transition_scores(pair, z_anchor, z_first, torch.zeros_like(logits[..., :1]), logits, seen)
+        corpus = None if corpus is None else corpus[:, None, None]  # [B, 1, 1, K, 2]
+        scores = self._transition_scores(
+            pair, z_anchor, z_first, torch.zeros_like(logits[..., :1]), logits, seen, corpus
+        )
         return scores[:, 0, 0]  # [B, K]
 
     def _transition_scores(
@@ -166,13 +205,20 @@ class DCOCOCorrector(nn.Module):
         prev_logits: torch.Tensor,
         next_logits: torch.Tensor,
         seen: torch.Tensor | None,
+        corpus: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """l_{p+1}(b) + Delta for pair states [B, P, r], predecessors [B, P, Ka, r] / [B, P, Ka], successors
-        [B, P, Kb, r] / [B, P, Kb] and m(a, b) [B, P, Ka, Kb] (or None) -> [B, P, Ka, Kb]."""
+        [B, P, Kb, r] / [B, P, Kb], m(a, b) [B, P, Ka, Kb] and corpus inputs [B, P, Ka, Kb, 2] (each or None)
+        -> [B, P, Ka, Kb]."""
         if (seen is None) != (self.delta_seen is None):
             raise ValueError(
                 "m(a, b) goes with the corrector's context_bigrams setting: pass seen=ContextBigrams(...).seen(...) exactly when "
                 f"the config has context_bigrams=True (this corrector: {self.delta_seen is not None})."
+            )
+        if (corpus is None) != (self.delta_corpus is None):
+            raise ValueError(
+                "The corpus inputs go with the corrector's corpus_bigrams setting: pass corpus=CorpusBigrams.inputs(...) "
+                f"exactly when the config has corpus_bigrams set (this corrector: {self.delta_corpus is not None})."
             )
         w = self.delta_logits.weight  # [hidden, 2]
         hidden = (
@@ -182,6 +228,8 @@ class DCOCOCorrector(nn.Module):
         )
         if seen is not None:
             hidden = hidden + seen.to(hidden.dtype)[..., None] * self.delta_seen.weight[:, 0]  # [B, P, Ka, Kb, hidden]
+        if corpus is not None:
+            hidden = hidden + self.delta_corpus(corpus.to(hidden.dtype))  # [B, P, Ka, Kb, hidden]
         delta = self.delta_out(F.gelu(hidden)).squeeze(-1)  # [B, P, Ka, Kb]
         return next_logits[:, :, None, :] + delta
 
@@ -223,6 +271,83 @@ class ContextBigrams:
         index = torch.searchsorted(self.unique, query).clamp(max=self.unique.numel() - 1)
         found = self.unique[index] == query
         return found if ends is None else found & (self.earliest[index] <= ends)
+
+
+class CorpusBigrams(nn.Module):
+    """How often each token pair (a, b) was written in the target's own training answers, stored with the weights.
+
+    Buffers (saved in model.safetensors): `pair_keys` [N] the pairs' hashes a * V + b, ascending; `pair_counts` [N]
+    c(a, b); `first_counts` [V] n(a), the pairs starting with a. Count them with `CorpusBigrams.count`.
+    """
+
+    NUM_INPUTS = 2  # log(1 + c) and log(1 + c) - log(1 + n)
+
+    def __init__(self, vocab_size: int, num_pairs: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.register_buffer("pair_keys", torch.zeros(num_pairs, dtype=torch.long))
+        self.register_buffer("pair_counts", torch.zeros(num_pairs, dtype=torch.int32))
+        self.register_buffer("first_counts", torch.zeros(vocab_size, dtype=torch.int32))
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pair_keys.numel()
+
+    @classmethod
+    def count(
+        cls, texts: Iterable[tuple[torch.LongTensor, torch.BoolTensor]], vocab_size: int
+    ) -> "CorpusBigrams":
+        """Count the pairs (t - 1, t) over the learned tokens t of each text: (input_ids [T], learned [T]) pairs, as
+        in training records (`loss_mask`); texts of one token, or with no learned token, add nothing."""
+        keys = [cls._keys(ids[None].long(), learned[None].bool(), vocab_size)[1] for ids, learned in texts]
+        if not keys or sum(k.numel() for k in keys) == 0:
+            raise ValueError("No token pair to count: pass texts with learned tokens after their first position.")
+        unique, counts = torch.unique(torch.cat(keys), return_counts=True)
+        table = cls(vocab_size, unique.numel())
+        table.pair_keys.copy_(unique)
+        table.pair_counts.copy_(counts)
+        table.first_counts.copy_(torch.bincount(unique // vocab_size, weights=counts.double(), minlength=vocab_size))
+        return table
+
+    @staticmethod
+    def _keys(ids: torch.LongTensor, learned: torch.BoolTensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, a * V + b) of every pair of ids [B, T] whose second token is learned [B, T] -> ([n], [n])."""
+        row, end = learned[:, 1:].nonzero(as_tuple=True)
+        return row, ids[row, end] * vocab_size + ids[row, end + 1]
+
+    def inputs(
+        self,
+        first: torch.LongTensor,
+        second: torch.LongTensor,
+        exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
+    ) -> torch.Tensor:
+        """Delta's corpus inputs for token ids first / second [B, ...] (broadcast together) -> [B, ..., 2] float.
+
+        exclude (input_ids [B, T], learned [B, T]), in training: take each row's own pairs out of the counts (the
+        row's record was counted), so that seen pairs are as rare as in a new prompt's answer.
+        """
+        first, second = torch.broadcast_tensors(first.long(), second.long())
+        pair = first * self.vocab_size + second
+        after = self._lookup(self.pair_keys, self.pair_counts, pair)  # c(a, b)
+        following = self.first_counts[first].double()  # n(a)
+        if exclude is not None:
+            row, key = self._keys(exclude[0].long(), exclude[1].bool(), self.vocab_size)
+            rows = torch.arange(first.shape[0], device=first.device).view(-1, *([1] * (first.dim() - 1)))
+            space = self.vocab_size**2
+            own_keys, own_counts = torch.unique(row * space + key, return_counts=True)
+            own_first, own_first_counts = torch.unique(row * self.vocab_size + key // self.vocab_size, return_counts=True)
+            after = after - self._lookup(own_keys, own_counts, rows * space + pair)
+            following = following - self._lookup(own_first, own_first_counts, rows * self.vocab_size + first)
+        log_after = torch.log1p(after.clamp(min=0))
+        return torch.stack([log_after, log_after - torch.log1p(following.clamp(min=0))], dim=-1).float()
+
+    @staticmethod
+    def _lookup(keys: torch.Tensor, counts: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """The count of each query hash in the sorted keys, 0 where absent, as float64 [query's shape]."""
+        if keys.numel() == 0:
+            return torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+        index = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
+        return torch.where(keys[index] == query, counts[index].double(), 0.0)
 
 
 def prefix_first_walk(transition_scores: torch.Tensor, first_slot_scores: torch.Tensor | None = None) -> torch.Tensor:

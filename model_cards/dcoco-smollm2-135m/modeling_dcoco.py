@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .candidate_generator import DCOCOCandidateGenerator, DraftContextCache, TargetTap, decoder_layers
 from .configuration_dcoco import DCOCOConfig
-from .corrector import ContextBigrams, DCOCOCorrector, select_candidates
+from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -206,8 +206,12 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.corrector = DCOCOCorrector(
-            config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams
+            config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams,
+            bool(config.corpus_bigrams),
         )
+        # The pair counts the corrector reads with `corpus_bigrams`, saved with the weights (`set_corpus_bigrams`).
+        pairs = config.corpus_bigrams
+        self.corpus_bigrams = CorpusBigrams(config.vocab_size, pairs) if pairs else None
         # Saved with the weights when the config has a draft vocabulary; None proposes from the whole vocabulary.
         size = config.draft_vocab_size
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
@@ -369,6 +373,19 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self._draft_head = None
         return self
 
+    def set_corpus_bigrams(self, table: CorpusBigrams) -> "DCOCODrafter":
+        """Let the corrector read these pair counts (`CorpusBigrams.count` over the training answers); returns self.
+
+        A corrector that did not read them yet gains the input with zero weights (it scores as before until trained,
+        what `train_drafter.py --corpus-bigrams` starts from); one that did keeps its weights, with the new counts.
+        """
+        if table.vocab_size != self.config.vocab_size:
+            raise ValueError(f"The table counts a vocabulary of {table.vocab_size}; the target's has {self.config.vocab_size}.")
+        self.corrector.add_corpus_input()
+        self.corpus_bigrams = table.to(self.fc.weight.device)
+        self.config.corpus_bigrams = table.num_pairs
+        return self
+
     def proposal_logits(self, slot_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor | None]:
         """Float logits [..., V'] over the tokens the drafter may propose, and the token id of each column
         (None: column = token id, the whole vocabulary)."""
@@ -452,10 +469,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if correct and (cfg.block_size > 2 or cfg.correct_first_slot):
             candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
             seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid)
-            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen)  # [B, S - 1, K, K]
+            corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates)
+            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [B, S - 1, K, K]
             if cfg.correct_first_slot:
                 first_scores = self.first_slot_scores(
-                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits, first_seen
+                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits, first_seen, first_corpus
                 )  # [B, K]
             first = first_scores if first_scores is not None else candidate_logits[:, 0]
             chosen = select_candidates(selection or cfg.selection, scores.float(), first.float(), cfg.geometric_lambda)
@@ -475,17 +493,18 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         first_candidate_embeds: torch.Tensor,
         candidate_logits: torch.Tensor,
         seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Anchor -> slot 1 transition scores (`correct_first_slot`), as drafting and training both compute them.
 
         block_hidden [R, block, H] drafter output of each block, anchor_ids [R], first_candidate_embeds [R, K, H]
         the embeddings of slot 1's candidates (drafting has them already, for the slot pairs), candidate_logits
-        [R, S, K], seen [R, K] m(anchor, b) with `context_bigrams` -> [R, K].
+        [R, S, K], seen [R, K] m(anchor, b) with `context_bigrams`, corpus [R, K, 2] with `corpus_bigrams` -> [R, K].
         """
         dtype = block_hidden.dtype
         return self.corrector.first_slot_scores(
             block_hidden[:, 0], self.embed(anchor_ids).to(dtype), block_hidden[:, 1],
-            first_candidate_embeds.to(dtype), candidate_logits[:, 0], seen,
+            first_candidate_embeds.to(dtype), candidate_logits[:, 0], seen, corpus,
         )
 
     def candidate_bigrams(
@@ -518,6 +537,25 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if not self.config.correct_first_slot:
             return pairs, None
         return pairs, bigrams.seen(anchor_ids[..., None], candidates[..., 0, :], None if ends is None else ends[..., None])
+
+    def candidate_corpus_inputs(
+        self,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The corpus inputs of every slot-pair transition [B, ..., S - 1, K, K, 2] and, with `correct_first_slot`,
+        of every anchor -> slot 1 transition [B, ..., K, 2] (else None), as drafting and training both compute them;
+        (None, None) without `corpus_bigrams`. anchor_ids [B, ...], candidates [B, ..., S, K]; exclude, in training,
+        the records' (input_ids [B, T], loss_mask [B, T]), whose own pairs leave the counts (leave-one-out).
+        """
+        if self.corpus_bigrams is None:
+            return None, None
+        table = self.corpus_bigrams
+        pairs = table.inputs(candidates[..., :-1, :, None], candidates[..., 1:, None, :], exclude)
+        if not self.config.correct_first_slot:
+            return pairs, None
+        return pairs, table.inputs(anchor_ids[..., None], candidates[..., 0, :], exclude)
 
     # ------------------------------------------------------------------ transformers assisted generation
 
