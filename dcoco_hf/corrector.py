@@ -265,12 +265,18 @@ class ContextBigrams:
         """m(a, b) for token ids first / second [B, ...] (broadcast together): whether `first` is directly followed by
         `second` in the row's context. ends [B, ...] (broadcast with first), when given, counts only pairs whose
         second token sits at a position <= end (training: the text up to each block's anchor). -> [B, ...]."""
-        if self.unique.numel() == 0:  # contexts of one token: no pair yet
-            return torch.zeros(torch.broadcast_shapes(first.shape, second.shape), dtype=torch.bool, device=first.device)
         query = self._hash(self.rows.view(-1, *([1] * (first.dim() - 1))), first, second)  # [B, ...]
-        index = torch.searchsorted(self.unique, query).clamp(max=self.unique.numel() - 1)
-        found = self.unique[index] == query
+        index, found = _find_sorted(self.unique, query)
         return found if ends is None else found & (self.earliest[index] <= ends)
+
+
+def _find_sorted(keys: torch.Tensor, query: torch.Tensor) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Where each query would sit in ascending keys [N] (clamped to a valid index) and whether it is there, both
+    [query's shape]; with no keys at all (e.g. a context of one token), nothing is found."""
+    if keys.numel() == 0:
+        return torch.zeros_like(query), torch.zeros(query.shape, dtype=torch.bool, device=query.device)
+    index = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
+    return index, keys[index] == query
 
 
 class CorpusBigrams(nn.Module):
@@ -315,15 +321,20 @@ class CorpusBigrams(nn.Module):
         row, end = learned[:, 1:].nonzero(as_tuple=True)
         return row, ids[row, end] * vocab_size + ids[row, end + 1]
 
+    def own_counts(self, input_ids: torch.LongTensor, learned: torch.BoolTensor) -> tuple[torch.Tensor, ...]:
+        """Each row's own pair and predecessor counts, counted as `count` does, for `inputs(..., exclude=)`: rows of
+        input_ids / learned [B, T] are training records the table counted (leave-one-out)."""
+        row, key = self._keys(input_ids.long(), learned.bool(), self.vocab_size)
+        own_pairs = torch.unique(row * self.vocab_size**2 + key, return_counts=True)  # (row, a, b) hashes, counts
+        own_first = torch.unique(row * self.vocab_size + key // self.vocab_size, return_counts=True)  # (row, a)
+        return (*own_pairs, *own_first)
+
     def inputs(
-        self,
-        first: torch.LongTensor,
-        second: torch.LongTensor,
-        exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
+        self, first: torch.LongTensor, second: torch.LongTensor, exclude: tuple[torch.Tensor, ...] | None = None
     ) -> torch.Tensor:
         """Delta's corpus inputs for token ids first / second [B, ...] (broadcast together) -> [B, ..., 2] float.
 
-        exclude (input_ids [B, T], learned [B, T]), in training: take each row's own pairs out of the counts (the
+        exclude (`own_counts` of the rows' records), in training: take each row's own pairs out of the counts (the
         row's record was counted), so that seen pairs are as rare as in a new prompt's answer.
         """
         first, second = torch.broadcast_tensors(first.long(), second.long())
@@ -331,12 +342,9 @@ class CorpusBigrams(nn.Module):
         after = self._lookup(self.pair_keys, self.pair_counts, pair)  # c(a, b)
         following = self.first_counts[first].double()  # n(a)
         if exclude is not None:
-            row, key = self._keys(exclude[0].long(), exclude[1].bool(), self.vocab_size)
+            own_keys, own_counts, own_first, own_first_counts = exclude
             rows = torch.arange(first.shape[0], device=first.device).view(-1, *([1] * (first.dim() - 1)))
-            space = self.vocab_size**2
-            own_keys, own_counts = torch.unique(row * space + key, return_counts=True)
-            own_first, own_first_counts = torch.unique(row * self.vocab_size + key // self.vocab_size, return_counts=True)
-            after = after - self._lookup(own_keys, own_counts, rows * space + pair)
+            after = after - self._lookup(own_keys, own_counts, rows * self.vocab_size**2 + pair)
             following = following - self._lookup(own_first, own_first_counts, rows * self.vocab_size + first)
         log_after = torch.log1p(after.clamp(min=0))
         return torch.stack([log_after, log_after - torch.log1p(following.clamp(min=0))], dim=-1).float()
@@ -344,10 +352,10 @@ class CorpusBigrams(nn.Module):
     @staticmethod
     def _lookup(keys: torch.Tensor, counts: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """The count of each query hash in the sorted keys, 0 where absent, as float64 [query's shape]."""
-        if keys.numel() == 0:
+        if keys.numel() == 0:  # e.g. a training row with no pair of its own
             return torch.zeros(query.shape, dtype=torch.float64, device=query.device)
-        index = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
-        return torch.where(keys[index] == query, counts[index].double(), 0.0)
+        index, found = _find_sorted(keys, query)
+        return torch.where(found, counts[index].double(), 0.0)
 
 
 def prefix_first_walk(transition_scores: torch.Tensor, first_slot_scores: torch.Tensor | None = None) -> torch.Tensor:

@@ -552,10 +552,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if self.corpus_bigrams is None:
             return None, None
         table = self.corpus_bigrams
-        pairs = table.inputs(candidates[..., :-1, :, None], candidates[..., 1:, None, :], exclude)
+        own = None if exclude is None else table.own_counts(*exclude)  # once for the pairs and the first slot
+        pairs = table.inputs(candidates[..., :-1, :, None], candidates[..., 1:, None, :], own)
         if not self.config.correct_first_slot:
             return pairs, None
-        return pairs, table.inputs(anchor_ids[..., None], candidates[..., 0, :], exclude)
+        return pairs, table.inputs(anchor_ids[..., None], candidates[..., 0, :], own)
 
     # ------------------------------------------------------------------ transformers assisted generation
 

@@ -111,11 +111,6 @@ def main() -> None:
     if args.init:
         added = {"context_bigrams": True} if args.context_bigrams else {}  # its zero-started weights are missing
         drafter = DCOCODrafter.from_pretrained(args.init, **added).attach(target)
-        if args.corpus_bigrams:  # each folder once, however often --data names it: the counts are the corpus's
-            drafter.set_corpus_bigrams(CorpusBigrams.count(
-                ((r["input_ids"], r["loss_mask"]) for folder in dict.fromkeys(args.data) for r in load_shards(folder)),
-                target.config.vocab_size,
-            ))
         drafter.config.correct_first_slot |= args.correct_first_slot
         if args.corrector_hidden is not None:
             drafter.corrector = drafter.corrector.widened(args.corrector_hidden)
@@ -127,14 +122,21 @@ def main() -> None:
             target, num_hidden_layers=args.layers, block_size=args.block_size, top_k=args.top_k,
             num_target_layers_read=args.target_layers_read, init_from_target=args.init_from_target,
         )
-    records = []
-    for folder in args.data:
+    loaded = {}  # each folder once; a folder named n times in --data is read n times per epoch
+    for folder in dict.fromkeys(args.data):
         source = folder
         if args.features is not None:
             source = cache_target_features(target, drafter.config.target_layer_ids, folder, args.features / folder.name)
-        records += load_shards(source)
-        if "context_states" in records[-1] and records[-1]["context_states"].shape[-1] != drafter.fc.in_features:
+        loaded[folder] = load_shards(source)
+        last = loaded[folder][-1]
+        if "context_states" in last and last["context_states"].shape[-1] != drafter.fc.in_features:
             raise SystemExit(f"{source} holds features of other target layers; use a fresh --features folder")
+    records = [record for folder in args.data for record in loaded[folder]]
+    if args.corpus_bigrams:  # counted once per folder: the counts are the corpus's, not the reading schedule's
+        drafter.set_corpus_bigrams(CorpusBigrams.count(
+            ((r["input_ids"], r["loss_mask"]) for folder_records in loaded.values() for r in folder_records),
+            target.config.vocab_size,
+        ))
 
     training_args = TrainingArguments(
         output_dir=str(args.output), per_device_train_batch_size=args.batch_size,

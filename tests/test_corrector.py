@@ -253,11 +253,11 @@ def test_corpus_bigrams_count_and_leave_one_out_on_hand_worked_texts():
     # Leave-one-out against the first text: only the second text's (5, 7) is left.
     own = (texts[0][0][None], texts[0][1][None])
     left = torch.tensor([[[math.log(2), 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
-    torch.testing.assert_close(table.inputs(first, second, exclude=own), left)
+    torch.testing.assert_close(table.inputs(first, second, exclude=table.own_counts(*own)), left)
     # Rows leave out only their own text; broadcasting [B, K, 1] x [B, 1, K] as for slot pairs.
     rows = table.inputs(torch.tensor([5, 5]).view(2, 1, 1), torch.tensor([7, 9]).view(1, 1, 2).expand(2, 1, 2),
-                        exclude=(torch.stack([texts[0][0], torch.zeros(6, dtype=torch.long)]),
-                                 torch.stack([texts[0][1], torch.zeros(6, dtype=torch.bool)])))
+                        exclude=table.own_counts(torch.stack([texts[0][0], torch.zeros(6, dtype=torch.long)]),
+                                                 torch.stack([texts[0][1], torch.zeros(6, dtype=torch.bool)])))
     assert rows.shape == (2, 1, 2, 2)
     assert rows[0, 0, :, 0].tolist() == pytest.approx([math.log(2), 0.0])  # (5,7): 2 - 1; (5,9): 1 - 1
     assert rows[1, 0, :, 0].tolist() == pytest.approx([math.log(3), math.log(2)])  # row 1 excludes nothing
