@@ -1,20 +1,29 @@
 """dcoco-hf: lossless speculative decoding in Hugging Face Transformers with a DFlash parallel drafter and the DCOCO
 contextual corrector.
 
-    drafter = DCOCODrafter.from_pretrained(folder).attach(target)
+    drafter = DCOCODrafter.from_pretrained(folder).attach(target)  # also tunes both for this device, logs how
     out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
     batch = speculative_generate(target, **batch_inputs, drafter=drafter, max_new_tokens=256)  # left-padded batch
 """
 
-from .bench import set_block_size
-from .block_choice import BlockSizeChoice, choose_block_size
-from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats, TargetTap
+from .block_choice import BlockSizeChoice, choose_block_size, set_block_size
+from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats
 from .configuration_dcoco import DCOCOConfig
+from .context_cache import DraftContextCache
+from .corrector import (
+    ContextBigrams,
+    CorpusBigrams,
+    DCOCOCorrector,
+    prefix_first_walk,
+    select_candidates,
+    viterbi_walk,
+)
 from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
-from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
 from .generation import SpeculativeOutput, speculative_generate
 from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
+from .tap import TargetTap
+from .tuning import Tuning, tune, untune
 
 DCOCOConfig.register_for_auto_class("AutoConfig")
 DCOCODrafter.register_for_auto_class("AutoModel")
@@ -31,10 +40,12 @@ __all__ = [
     "DCOCOCorrector",
     "DCOCODrafter",
     "DCOCOStats",
+    "DraftContextCache",
     "DraftProposal",
     "FewRowsLinear",
     "SpeculativeOutput",
     "TargetTap",
+    "Tuning",
     "choose_block_size",
     "prefix_first_walk",
     "restore_linear",
@@ -42,6 +53,8 @@ __all__ = [
     "set_block_size",
     "speculative_generate",
     "spread_layer_ids",
+    "tune",
+    "untune",
     "use_few_rows_linear",
     "viterbi_walk",
 ]

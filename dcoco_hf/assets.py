@@ -34,7 +34,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 __all__ = [

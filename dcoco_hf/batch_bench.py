@@ -13,11 +13,9 @@ rows (one batched forward counts once per row it serves).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -204,8 +202,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 def cmd_bench_batch(args: argparse.Namespace) -> int:
     from . import cli  # the CLI's loaders, prompt suites and error type
 
-    if args.max_new_tokens < 2:
-        raise cli.CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens")
+    cli._check_common(args)  # the same checks as bench: numbers, model folders, the --json path
     try:
         batch_sizes = parse_batch_sizes(args.batch_size)
     except ValueError as err:
@@ -215,12 +212,13 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         raise cli.CLIError(f"--methods {args.methods}: choose from {','.join(BATCH_METHODS)}")
     items = cli.collect_prompts(args)
     if args.random_drafter:
-        loaded = cli.load_models(args, need_drafter=False, cpu_layout=False)  # laid out below, with the drafter
+        loaded = cli.load_models(args, need_drafter=False)
         drafter = DCOCODrafter.from_target(loaded.target).eval()
-        cli.use_cpu_layout(args, loaded.device, loaded.target, drafter, batch=max(batch_sizes))
+        cli.attach_drafter(args, loaded.target, drafter, batch=max(batch_sizes), choose_block=False)
         drafter_name = "random (DCOCODrafter.from_target)"
     else:
-        loaded = cli.load_models(args, need_drafter=True, batch=max(batch_sizes))
+        # bench-batch drafts the configured block: the start-up choice times one-row cycles, not batched ones.
+        loaded = cli.load_models(args, need_drafter=True, batch=max(batch_sizes), choose_block=False)
         drafter, drafter_name = loaded.drafter, loaded.drafter_name
     from .bench import encode_prompt
 
@@ -236,11 +234,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         few_rows_linear=few_rows_plan(loaded.target),
     )
     print(format_batch_table(report))
-    if args.json is not None:
-        path = Path(args.json).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        _log(f"wrote {path}")
+    cli.write_results(report, args.json)
     return 0
 
 

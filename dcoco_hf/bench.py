@@ -4,15 +4,20 @@ Every method is a plain `target.generate(...)` call, so the numbers are what a t
 
 * ``vanilla``: `target.generate(...)`.
 * ``prompt_lookup``: `target.generate(..., prompt_lookup_num_tokens=10)` (n-gram drafts from the prompt).
-* ``dflash``: transformers' own DFlash path, `speculation_type="dflash"`, with the very same drafter weights: the
-  DCOCO drafter's backbone without the corrector (plain argmax blocks).
+* ``dflash``: `assistant_model=drafter` with the corrector off (`generation_config.use_corrector=False`): plain
+  DFlash argmax blocks from our engine, with the same weights, draft vocabulary, layouts and block, so that
+  ``dcoco`` against ``dflash`` isolates the corrector.
+* ``dflash-hf``: transformers' own DFlash path, `speculation_type="dflash"`, with the very same drafter weights
+  (whole vocabulary, transformers' loop).
 * ``dcoco`` / ``dcoco-viterbi`` / ``dcoco-geometric``: `assistant_model=drafter` with the corrector's walk set to
   the drafter config's default / "viterbi" / "geometric" for that call.
 * ``dcoco-paper``: the paper's prefix-first walk with slot 1 kept at the drafter argmax, i.e. ``dcoco`` without our
   `correct_first_slot` extension (the same as ``dcoco`` for a drafter that does not use it).
 
 Methods run interleaved (for each prompt, every method once, in an order rotated per prompt), so slow phases of a
-shared, noisy machine hit all methods alike and the speed ratios stay fair.
+shared, noisy machine hit all methods alike and the speed ratios stay fair. Speedup is a ratio of tokens per second
+against ``vanilla`` on the same prompts: under sampling the methods' outputs differ in length, so a ratio of times
+would credit a method for writing less.
 
 Acceptance numbers come from one measuring stick for all methods (`ForwardTrace`): a forward pre-hook on the target
 records the cache length and input length of every target forward, from which the drafted and accepted tokens of each
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,18 +39,24 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from .assets import chat_input_ids
-from .candidate_generator import DCOCOStats, forward_inputs
+from .block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
+from .candidate_generator import DCOCOStats
+from .device import device_sync
 from .modeling_dcoco import DCOCODrafter
+from .tap import forward_inputs
 
-METHODS = ("vanilla", "prompt_lookup", "dflash", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric")
+METHODS = (
+    "vanilla", "prompt_lookup", "dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric",
+)
 """All benchmark methods, in their default order."""
 
-DRAFTER_METHODS = frozenset({"dflash", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"})
+DRAFTER_METHODS = frozenset({"dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"})
 """Methods that need the DCOCO drafter."""
 
-# Drafter config fields each DCOCO method sets for its calls; "dcoco" keeps the config's own. "dcoco-paper" is the
-# paper's walk, slot 1 left at the drafter argmax: against "dcoco" it isolates `correct_first_slot`.
+# Drafter config fields each method of our engine sets for its calls; "dcoco" keeps the config's own. "dcoco-paper"
+# is the paper's walk, slot 1 left at the drafter argmax: against "dcoco" it isolates `correct_first_slot`.
 DCOCO_WALKS: dict[str, dict[str, Any]] = {
+    "dflash": {},
     "dcoco": {},
     "dcoco-paper": {"selection": "greedy", "correct_first_slot": False},
     "dcoco-viterbi": {"selection": "viterbi"},
@@ -239,8 +250,18 @@ class BenchSettings:
         return self.temperature == 0.0
 
 
-def _device_sync(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+@contextmanager
+def _corrector_on(drafter: DCOCODrafter | None, on: bool) -> Iterator[None]:
+    """Draft with the corrector on or off (plain DFlash argmax blocks) for the duration of one call."""
+    if drafter is None:
+        yield
+        return
+    saved = getattr(drafter.generation_config, "use_corrector", True)
+    drafter.generation_config.use_corrector = on
+    try:
+        yield
+    finally:
+        drafter.generation_config.use_corrector = saved
 
 
 @contextmanager
@@ -259,41 +280,6 @@ def _config_fields(drafter: DCOCODrafter | None, fields: dict[str, Any]) -> Iter
             setattr(drafter.config, name, value)
 
 
-def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
-    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the largest it was trained on
-    (`config.max_block_size`, else `config.block_size`), since a longer block would ask for slots it never learned."""
-    largest = drafter.config.largest_block_size
-    if not 2 <= block_size <= largest:
-        raise ValueError(
-            f"block size {block_size}: must lie in [2, {largest}], the largest block this drafter was trained on "
-            "(config.max_block_size, else config.block_size). A drafter predicts no slot beyond the blocks it was "
-            "trained with; if it was trained on longer blocks (its model card says which), record the longest as "
-            "max_block_size in its config.json"
-        )
-
-
-def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
-    """Draft blocks of `block_size` (anchor + block_size - 1 slots); see `check_block_size`."""
-    check_block_size(drafter, block_size)
-    drafter.config.block_size = block_size
-    # transformers reads the draft length from the assistant's generation config.
-    drafter.generation_config.num_assistant_tokens = block_size - 1
-
-
-@contextmanager
-def block_size_for_call(drafter: DCOCODrafter | None, block_size: int | None) -> Iterator[None]:
-    """Draft blocks of `block_size` for the duration of one call (None: the drafter's own)."""
-    if block_size is None or drafter is None:
-        yield
-        return
-    saved = drafter.config.block_size, drafter.generation_config.num_assistant_tokens
-    set_block_size(drafter, block_size)
-    try:
-        yield
-    finally:
-        drafter.config.block_size, drafter.generation_config.num_assistant_tokens = saved
-
-
 class MethodRunner:
     """Runs one method on one prompt and measures it. Call `close()` when done (it removes the target hook)."""
 
@@ -306,7 +292,7 @@ class MethodRunner:
         self.target = target
         self.drafter = drafter
         self.settings = settings
-        self._sync = _device_sync(target.device)
+        self._sync = device_sync(target.device)
         self.trace = ForwardTrace(target)
 
     def close(self) -> None:
@@ -325,7 +311,7 @@ class MethodRunner:
             if self.drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter, but none was loaded")
             kwargs["assistant_model"] = self.drafter
-            if method == "dflash":
+            if method == "dflash-hf":
                 kwargs["speculation_type"] = "dflash"
         elif method != "vanilla":
             raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
@@ -363,6 +349,7 @@ class MethodRunner:
             block_size_for_call(self.drafter, block_size),
             self.trace.record() as trace,
             _config_fields(self.drafter, DCOCO_WALKS.get(base, {})),
+            _corrector_on(self.drafter, base != "dflash"),
         ):
             kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
             if streamer is not None:
@@ -464,10 +451,11 @@ def _compare_with_vanilla(row: list[RunRecord], greedy: bool) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) -> dict[str, Any]:
-    """Totals of one method over some prompts. `vanilla_seconds`: vanilla's wall time on the same prompts."""
+def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> dict[str, Any]:
+    """Totals of one method over some prompts. `vanilla_rate`: vanilla's tokens per second on the same prompts."""
     seconds = sum(r.seconds for r in records)
     new_tokens = sum(r.new_tokens for r in records)
+    rate = new_tokens / seconds if seconds > 0 else None
     acceptance = Acceptance()
     for record in records:
         acceptance = acceptance.merge(record.acceptance)
@@ -476,8 +464,8 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
         "prompts": len(records),
         "new_tokens": new_tokens,
         "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
-        "speedup": vanilla_seconds / seconds if vanilla_seconds is not None and seconds > 0 else None,
+        "tokens_per_s": rate,
+        "speedup": rate / vanilla_rate if rate and vanilla_rate else None,  # tokens/s ratio, fair under sampling
         "tau": new_tokens / max(acceptance.target_forwards, 1),
         "target_forwards": acceptance.target_forwards,
         "cycles": len(acceptance.accepted),
@@ -515,10 +503,9 @@ def summarise_method(records: list[RunRecord], vanilla_seconds: float | None) ->
 def summarise(records: list[RunRecord], methods: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per-method summaries of `records` (all on the same prompts), in `methods` order."""
     vanilla = [r for r in records if r.method == "vanilla"]
-    vanilla_seconds = sum(r.seconds for r in vanilla) if vanilla else None
-    return {
-        method: summarise_method([r for r in records if r.method == method], vanilla_seconds) for method in methods
-    }
+    seconds = sum(r.seconds for r in vanilla)
+    vanilla_rate = sum(r.new_tokens for r in vanilla) / seconds if vanilla and seconds > 0 else None
+    return {method: summarise_method([r for r in records if r.method == method], vanilla_rate) for method in methods}
 
 
 def build_report(records: list[RunRecord], methods: Sequence[str], config: dict[str, Any]) -> dict[str, Any]:

@@ -22,15 +22,60 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .bench import block_size_for_call
-from .candidate_generator import DraftContextCache
 from .configuration_dcoco import DCOCOConfig
-from .modeling_dcoco import DCOCODrafter, _device_sync
+from .context_cache import DraftContextCache
+from .device import device_sync
+
+if TYPE_CHECKING:
+    from .modeling_dcoco import DCOCODrafter
+
+
+def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
+    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the largest it was trained on
+    (`config.max_block_size`, else `config.block_size`), since a longer block would ask for slots it never learned."""
+    largest = drafter.config.largest_block_size
+    if not 2 <= block_size <= largest:
+        raise ValueError(
+            f"block size {block_size}: must lie in [2, {largest}], the largest block this drafter was trained on "
+            "(config.max_block_size, else config.block_size). A drafter predicts no slot beyond the blocks it was "
+            "trained with; if it was trained on longer blocks (its model card says which), record the longest as "
+            "max_block_size in its config.json"
+        )
+
+
+def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
+    """Draft blocks of `block_size` (anchor + block_size - 1 slots); see `check_block_size`.
+
+    Choosing a block never shrinks what the drafter can draft: the largest trained block is recorded as
+    `max_block_size` before `block_size` changes, so a later call may go back up to it."""
+    check_block_size(drafter, block_size)
+    config = drafter.config
+    config.max_block_size = config.largest_block_size
+    config.block_size = block_size
+    # transformers reads the draft length from the assistant's generation config.
+    drafter.generation_config.num_assistant_tokens = block_size - 1
+
+
+@contextmanager
+def block_size_for_call(drafter: DCOCODrafter | None, block_size: int | None) -> Iterator[None]:
+    """Draft blocks of `block_size` for the duration of one call (None: the drafter's own)."""
+    if block_size is None or drafter is None:
+        yield
+        return
+    saved = drafter.config.block_size, drafter.generation_config.num_assistant_tokens
+    set_block_size(drafter, block_size)
+    try:
+        yield
+    finally:
+        drafter.config.block_size, drafter.generation_config.num_assistant_tokens = saved
 
 
 @dataclass(frozen=True)
@@ -79,7 +124,7 @@ def time_cycles(
     on a drafter cache of the same length. Sizes run interleaved, after one untimed round, so a noisy machine slows
     all of them alike. Token ids and context states are random: the cost of a forward does not depend on them."""
     device = next(target.parameters()).device
-    sync = _device_sync(device)
+    sync = device_sync(device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, context_length + max(block_sizes)), generator=generator)
     ids = ids.to(device)
@@ -123,7 +168,7 @@ def choose_block_size(
     target: PreTrainedModel, drafter: DCOCODrafter, block_sizes: list[int] | None = None, repeats: int = 5
 ) -> BlockSizeChoice:
     """The block size of largest measured tau / timed cycle among `block_sizes` (default: every size in the
-    drafter's `block_tau`). Apply it with `dcoco_hf.bench.set_block_size(drafter, choice.block_size)`."""
+    drafter's `block_tau`). Apply it with `set_block_size(drafter, choice.block_size)`."""
     measured = candidate_block_sizes(drafter.config)
     sizes = sorted(set(block_sizes)) if block_sizes else measured
     missing = sorted(set(sizes) - set(measured))

@@ -17,162 +17,23 @@ probability q_target(y) and resamples from q_target restricted to v != y, which 
 
 from __future__ import annotations
 
-import time
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
+
+from .context_cache import DraftContextCache
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter, DraftProposal
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of a Hugging Face causal LM."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
-    raise ValueError(
-        f"Cannot find the decoder layers of {type(model).__name__} (expected `model.get_decoder().layers`); "
-        "DCOCO drafters need a standard Hugging Face decoder-only causal LM."
-    )
-
-
-class DraftContextCache:
-    """Keys/values of the drafter's context rows (committed target positions), per layer.
-
-    Duck-types the one `Cache.update` call the attention makes, so the same layers also run inside transformers'
-    own DFlash generator with its `DFlashCache`. Rows are only ever appended for committed positions; the block's
-    keys/values are dropped again with `truncate` after each draft.
-    """
-
-    def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any) -> tuple[torch.Tensor, ...]:
-        if layer_idx == len(self.keys):
-            self.keys.append(key)
-            self.values.append(value)
-        else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[layer_idx].shape[-2] if self.keys else 0
-
-    def truncate(self, length: int) -> None:
-        self.keys = [k[..., :length, :] for k in self.keys]
-        self.values = [v[..., :length, :] for v in self.values]
-
-    def select_rows(self, rows: torch.LongTensor) -> None:
-        """Keep only batch rows `rows` (batched generation drops finished sequences)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-
-
-@dataclass
-class TargetForward:
-    """Token ids, positions and tapped hidden states of one target forward (row 0..B-1)."""
-
-    ids: torch.LongTensor  # [B, n]
-    positions: torch.LongTensor  # [B, n] index of each token in its sequence
-    states: torch.Tensor  # [B, n, n_layers * H]
-
-
-def forward_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, int, int | torch.Tensor]:
-    """(input_ids or None, input width, cache length) of a target forward, read in a forward pre-hook.
-
-    The cache length is the index of the forward's first token in the sequence. A static cache returns it as a live
-    device tensor that the forward then advances in place: callers copy it or convert it before the forward runs.
-    """
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    width = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return ids, width, cache.get_seq_length() if cache is not None else 0
-
-
-class TargetTap:
-    """Forward hooks that record the target's hidden states at `layer_ids` while an engine listens.
-
-    The hooks stay registered while the drafter is attached but record nothing unless `listen()` was called, so
-    plain use of the target costs one flag test per hooked module.
-    """
-
-    def __init__(self, target: nn.Module, layer_ids: list[int], max_pending: int = 4) -> None:
-        self.layer_ids = list(layer_ids)
-        self.max_pending = max_pending
-        self.listening = False
-        self.pending: list[TargetForward] = []
-        self.forward_count = 0
-        self.forward_starts: list[int] = []  # first position of each recorded forward
-        self.seconds = 0.0
-        self._current: dict[str, Any] | None = None
-        layers = decoder_layers(target)
-        self._handles = [
-            target.register_forward_pre_hook(self._on_start, with_kwargs=True),
-            target.register_forward_hook(self._on_end, with_kwargs=True),
-        ] + [layers[i].register_forward_hook(partial(self._on_layer, i), with_kwargs=True) for i in self.layer_ids]
-        self._sync = torch.cuda.synchronize if next(target.parameters()).device.type == "cuda" else (lambda: None)
-
-    def listen(self) -> None:
-        """Start recording for a new engine: forget what earlier engines left behind."""
-        self.listening, self.pending, self.forward_count, self.seconds = True, [], 0, 0.0
-        self.forward_starts = []
-
-    def drain(self) -> list[TargetForward]:
-        pending, self.pending = self.pending, []
-        return pending
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self.listening = False
-
-    @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
-    def _on_start(self, module, args, kwargs) -> None:
-        if not self.listening:
-            return
-        self._sync()
-        # Rows are aligned by their index in the token sequence (= tokens already in the target's cache), not by
-        # RoPE position, which skips padding holes.
-        ids, _, start = forward_inputs(args, kwargs)
-        self._current = {"ids": ids, "start": int(start), "states": {}, "t0": time.perf_counter()}
-
-    @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
-    def _on_layer(self, layer_id: int, module, args, kwargs, output) -> None:
-        current = self._current
-        if current is None:
-            return
-        current["states"][layer_id] = (output[0] if isinstance(output, tuple) else output).detach()
-
-    @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
-    def _on_end(self, module, args, kwargs, output) -> None:
-        current, self._current = self._current, None
-        if current is None:
-            return
-        self._sync()
-        self.seconds += time.perf_counter() - current["t0"]
-        self.forward_count += 1
-        ids, states = current["ids"], current["states"]
-        self.forward_starts.append(current["start"])
-        if ids is None or len(states) != len(self.layer_ids):
-            return  # an inputs_embeds forward: no context for the drafter, still lossless
-        positions = current["start"] + torch.arange(ids.shape[1], device=ids.device)
-        self.pending.append(
-            TargetForward(
-                ids=ids,
-                positions=positions.expand_as(ids),
-                states=torch.cat([states[i] for i in self.layer_ids], dim=-1),
-            )
-        )
-        del self.pending[: -self.max_pending]
 
 
 @dataclass
@@ -286,12 +147,17 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         generation_config: Any | None = None,
         selection: str | None = None,
         correct: bool = True,
+        stopping_criteria: StoppingCriteriaList | None = None,
     ) -> None:
         self.drafter = drafter
         self.target = drafter.target  # raises the clear "not attached" error
         self.tap = drafter.tap
         self.selection = selection
         self.correct = correct
+        # transformers cuts accepted blocks at EOS and max_length itself; the others it checks only per cycle.
+        self.stopping_criteria = StoppingCriteriaList(
+            c for c in stopping_criteria or () if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
+        )
         self.cache = DraftContextCache()
         self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
         self.stats = DCOCOStats(drafter.config.block_size, drafter.config.top_k)
@@ -299,7 +165,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._closed_sequence: torch.LongTensor | None = None
         self._last_committed: torch.LongTensor | None = None
         self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
-        self.tap.listen()
+        self._ended: tuple[int, float, list[int]] | None = None  # the tap's counters when the call ended
+        self.tap.listen(self)
 
     def get_candidates(
         self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs: Any
@@ -309,6 +176,11 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             raise ValueError(
                 f"transformers' assisted generation runs one sequence at a time (got batch {input_ids.shape[0]}); "
                 "use dcoco_hf.speculative_generate(target, drafter, input_ids, attention_mask=...) for batches."
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError(
+                "generate(inputs_embeds=...) with a DCOCO drafter is not supported: the drafter reads the target's "
+                "states of known tokens and needs their ids. Pass input_ids (the prompt's token ids) instead."
             )
         committed = input_ids[0]
         self._finish_cycle(committed)
@@ -321,12 +193,18 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             context_ids=committed[None],
         )
         limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
-        tokens = proposal.tokens[:, :limit]
+        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :limit], proposal.candidates[0, 0])
         self.stats.drafter_seconds += proposal.backbone_seconds
         self.stats.corrector_seconds += proposal.corrector_seconds
         self._pending_cycle = (length, tokens.shape[1], self.tap.forward_count, proposal)
         self._last_committed = committed
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
+
+    def end_call(self) -> None:
+        """The generate() call is over (returned or raised): stop recording the target, keep the statistics."""
+        if self._ended is None and self.tap.owner is self:
+            self._ended = (self.tap.forward_count, self.tap.seconds, list(self.tap.forward_starts))
+        self.tap.stop(self)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """DCOCO blocks have a fixed length: nothing to adapt."""
@@ -349,9 +227,14 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._finish_cycle(sequences[0])
         self._book_coverage(sequences[0])
         self._closed_sequence = sequences[0].clone()
-        self.stats.target_forwards = self.tap.forward_count
-        self.stats.target_seconds = self.tap.seconds
-        self.tap.listening = False  # the call is over: plain use of the target records nothing more
+        self.stats.target_forwards, self.stats.target_seconds, _ = self._tap_counters()
+        self.end_call()
+
+    def _tap_counters(self) -> tuple[int, float, list[int]]:
+        """(forwards, seconds, first position of each forward) of this call's target forwards so far."""
+        if self._ended is not None:
+            return self._ended
+        return self.tap.forward_count, self.tap.seconds, self.tap.forward_starts
 
     # ------------------------------------------------------------------ internals
 
@@ -384,7 +267,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             return
         length, drafted, forwards_before, proposal = self._pending_cycle
         self._pending_cycle = None
-        if self.tap.forward_count == forwards_before:
+        forward_count = self._tap_counters()[0]
+        if forward_count == forwards_before:
             raise RuntimeError(
                 "The drafter's target ran no forward since the last draft: generate() was called on a different "
                 "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
@@ -393,7 +277,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         new = committed.shape[0] - length
         # Every target forward commits one token of its own. Only the first one after the draft verified it; more
         # follow only at the end of a call, when transformers has stopped drafting (no room left for a draft).
-        accepted = max(0, min(new - (self.tap.forward_count - forwards_before), drafted))
+        accepted = max(0, min(new - (forward_count - forwards_before), drafted))
         stats = self.stats
         stats.cycles += 1
         stats.committed_tokens += new
@@ -404,9 +288,10 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._slot_candidates.append((length, proposal.candidates[0]))
 
     def _check_same_call(self, sequence: torch.LongTensor) -> None:
-        length, _, forwards_before, _ = self._pending_cycle or (0, 0, self.tap.forward_count, None)
+        forward_count, _, forward_starts = self._tap_counters()
+        length, _, forwards_before, _ = self._pending_cycle or (0, 0, forward_count, None)
         last = self._last_committed
-        later_starts = self.tap.forward_starts[forwards_before:]
+        later_starts = forward_starts[forwards_before:]
         if forwards_before == 0:
             # The call's first draft precedes its prefill, which verifies it and starts where the prompt cache ends.
             later_starts = later_starts[1:]
@@ -443,6 +328,68 @@ _OTHER_CALL = (
     "These sequences did not come from the last generate() call that consulted this drafter (a call with fewer than 2 "
     "new tokens never drafts). Statistics exist only for calls that used the drafter."
 )
+
+
+def tokens_before_stop(criteria: StoppingCriteriaList, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> int:
+    """How many of the proposed `tokens` [1, k] to keep after `input_ids` [1, L]: those before the first one at
+    which a stopping criterion fires.
+
+    transformers' assisted loop checks the criteria once per cycle, after the accepted block, where plain
+    `generate()` checks after every token. Proposing nothing past the first firing position restores plain
+    `generate()`'s behaviour exactly: accepted tokens are a prefix of the proposal, so a criterion can only fire at
+    the block's last token (the target's own), where the loop's check sees it. The cut depends only on the
+    committed text and the proposal, so sampling stays exact too. Criteria see token ids only (scores=None).
+    """
+    if not criteria:
+        return tokens.shape[1]
+    sequence = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
+    length = input_ids.shape[1]
+    for kept in range(tokens.shape[1]):
+        if bool(criteria(sequence[:, : length + kept + 1], None).any()):
+            return kept
+    return tokens.shape[1]
+
+
+def cut_at_stop(
+    criteria: StoppingCriteriaList,
+    input_ids: torch.LongTensor,
+    tokens: torch.LongTensor,
+    first_slot_candidates: torch.LongTensor,
+) -> torch.LongTensor:
+    """The proposal `tokens` [1, k] cut before the first position where a stopping criterion fires (see
+    `tokens_before_stop`); [1, >= 1] since transformers' loop takes no empty proposal.
+
+    When the first token already fires, the proposal becomes slot 1's best candidate (`first_slot_candidates` [K])
+    that does not: if the target accepts it, no stop was skipped; if it rejects it, the target's own token ends the
+    block, where the loop's check sees it. Only criteria that fire whatever the token (`max_time`) keep slot 1.
+    """
+    kept = tokens_before_stop(criteria, input_ids, tokens)
+    if kept > 0:
+        return tokens[:, :kept]
+    for candidate in first_slot_candidates.view(-1, 1, 1).to(tokens.device):  # [K, 1, 1]
+        if tokens_before_stop(criteria, input_ids, candidate) == 1:
+            return candidate
+    return tokens[:, :1]
+
+
+def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | None:
+    """The stopping criteria of the `generate()` call now asking this drafter for candidates, or None.
+
+    transformers hands candidate generators neither the criteria nor the tokenizer that `stop_strings` need; they
+    are a local of `_assisted_decoding` (transformers 5.24), a few frames up the stack from the drafter's
+    `generate()`. Reading them there is the only way to honour custom criteria and stop strings exactly
+    (`tokens_before_stop`); when transformers changes that layout, `DCOCODrafter.generate` refuses stop strings
+    instead of silently running past them.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_assisted_decoding":
+            criteria = frame.f_locals.get("stopping_criteria")
+            return criteria if isinstance(criteria, StoppingCriteriaList) else None
+        frame = frame.f_back
+    return None
 
 
 def one_hot_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.FloatTensor:

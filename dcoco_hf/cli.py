@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import closing
@@ -24,7 +26,13 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TextStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    TextStreamer,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from . import __version__
@@ -43,18 +51,21 @@ from .bench import (
     format_report,
     greedy_mismatch_reason,
     run_bench,
-    set_block_size,
     split_method,
 )
-from .block_choice import BlockSizeChoice, candidate_block_sizes, choose_block_size
+from .block_choice import BlockSizeChoice
 from .cpu_attention import CPU_GQA_ATTENTION
-from .cpu_linear import DEFAULT_MAX_ROWS, few_rows_plan, use_few_rows_linear
+from .cpu_linear import few_rows_plan
+from .export import add_export_parser
 from .modeling_dcoco import DCOCODrafter
 from .plots import require_matplotlib, write_plots
+from .precision import describe_quantization
+from .tuning import cpu_name
 
 DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
 DEFAULT_SUITES = "humaneval,mtbench"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
 ATTN_IMPLEMENTATIONS = ("sdpa", CPU_GQA_ATTENTION, "flash_attention_2", "eager")
 
 
@@ -130,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=cmd_bench)
 
     add_bench_batch_parser(commands, common)
+    add_export_parser(commands, common)
     return parser
 
 
@@ -151,6 +163,15 @@ def _common_options() -> argparse.ArgumentParser:
                         "flash_attention_2 when flash_attn is installed, else sdpa)")
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
+    common.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
+                        help="load the target with bitsandbytes: 8bit (int8 rows, no outlier columns, so greedy "
+                        "output stays token-exact) or 4bit (nf4, computing in the run's dtype); needs pip install "
+                        "'dcoco-hf[bnb]'. Outputs are compared with plain generate() of the same quantized target "
+                        "(default none; see docs/quantized.md)")
+    common.add_argument("--retune", action="store_true",
+                        help="measure the CPU layouts and the block size again instead of reading them from the "
+                        "cache of an earlier run on this machine (~/.cache/dcoco-hf/tuning), e.g. when that run's "
+                        "machine was busy")
     common.add_argument("--plain-linear", action="store_true",
                         help="on CPU, keep torch's GEMM for few-row forwards of the target and drafter instead of "
                         "the fastest layout measured on this machine (W @ x^T or MKL's packed GEMM), which makes "
@@ -218,9 +239,70 @@ def _check_common(args: argparse.Namespace) -> None:
         raise CLIError(f"--warmup {args.warmup} is negative")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads {args.threads}: need at least 1")
-    for option, value in (("--target", args.target), ("--drafter", args.drafter)):
+    for option, value in (("--target", args.target), ("--drafter", getattr(args, "drafter", None))):
         if value and _looks_like_path(value) and not Path(value).expanduser().exists():
             raise CLIError(f"{option} {value}: no such folder (give a local model folder or a Hub id like org/name)")
+        if value and Path(value).expanduser().is_dir() and not (Path(value).expanduser() / "config.json").is_file():
+            raise CLIError(f"{option} {value}: this folder holds no config.json, so it is not a saved model (give "
+                           "the folder save_pretrained() wrote, or a Hub id like org/name)")
+    # Output paths are checked now, not after a run of hours: the results would be lost.
+    _check_output_path("--json", getattr(args, "json", None), folder=False)
+    _check_output_path("--plots", getattr(args, "plots", None), folder=True)
+
+
+def _check_output_path(option: str, value: str | None, folder: bool) -> None:
+    """`value` can be written: a file (or, with `folder`, a folder) that is not the other kind, below a folder that
+    exists and is writable or can be created in one."""
+    if value is None:
+        return
+    path = Path(value).expanduser()
+    if folder and path.exists() and not path.is_dir():
+        raise CLIError(f"{option} {value}: this is a file; give a folder for the output")
+    if not folder and path.is_dir():
+        raise CLIError(f"{option} {value}: this is a folder; give a file name, e.g. {path / 'results.json'}")
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CLIError(f"{option} {value}: {existing} is a file, so no folder can be made there; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
+        raise CLIError(f"{option} {value}: no permission to write in {existing}; choose a writable path")
+
+
+def write_results(report: dict[str, Any], json_path: str | None, plots_dir: str | None = None) -> None:
+    """Write a finished run's report to --json (and plots to --plots). Should that fail even though the paths were
+    checked at start-up (the disk filled up, a folder was moved), the report goes to a file in the temp folder and
+    the error says where (exit code 1): a finished run is never lost."""
+    saved, failed = None, None
+    if json_path is not None:
+        try:
+            saved = _write_json(report, Path(json_path).expanduser())
+        except OSError as err:
+            failed = f"--json {json_path} ({err.strerror or err})"
+    if plots_dir is not None and failed is None:
+        try:
+            for path in write_plots(report, plots_dir):
+                _log(f"wrote {path}")
+        except OSError as err:
+            failed = f"--plots {plots_dir} ({err.strerror or err})"
+    if failed is None:
+        return
+    if saved is None:
+        handle, name = tempfile.mkstemp(prefix="dcoco-hf-results-", suffix=".json")
+        os.close(handle)
+        saved = _write_json(report, Path(name))
+    raise CLIError(f"could not write {failed}; the finished run's results are saved in {saved}", exit_code=1)
+
+
+def _write_json(report: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    _log(f"wrote {path}")
+    return path
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _looks_like_path(value: str) -> bool:
@@ -285,8 +367,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """sdpa_cpu_gqa on CPU; on a GPU FlashAttention 2 when the flash_attn package is importable and the dtype is
-    half, else sdpa."""
+    """On a GPU FlashAttention 2 when the flash_attn package is importable and the dtype is half, else sdpa (which
+    `attach` turns into sdpa_cpu_gqa on CPU, unless --attn was given)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "flash_attention_2" and (device.type != "cuda" or not has_flash):
         raise CLIError(
@@ -295,91 +377,107 @@ def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype
         )
     if requested is not None:
         return requested
-    if device.type == "cpu":
-        return CPU_GQA_ATTENTION
     if device.type == "cuda" and has_flash and dtype in (torch.bfloat16, torch.float16):
         return "flash_attention_2"
     return "sdpa"
 
 
-def load_models(args: argparse.Namespace, need_drafter: bool, batch: int = 1, cpu_layout: bool = True) -> Loaded:
-    """Target (and drafter), on the device, in the dtype and attention of `args`; with `cpu_layout`, on CPU with the
-    few-rows linear layout for forwards of up to `batch` sequences (see `use_cpu_layout`)."""
+def load_models(
+    args: argparse.Namespace, need_drafter: bool, batch: int = 1, methods: Sequence[str] = ("dcoco",),
+    choose_block: bool = True,
+) -> Loaded:
+    """Target (and drafter, attached and tuned for this device: `attach_drafter`), on the device, in the dtype and
+    attention of `args`."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     attn = resolve_attn(args.attn, device, dtype)
+    quantization = quantization_config(getattr(args, "quantize", "none"), dtype)
     drafter_spec = None
     if need_drafter:  # find the drafter before the slow target load, so a missing one fails at once
         drafter_spec = args.drafter or str(default_drafter_path())
-    target, tokenizer, target_name = load_target(args.target, device, dtype, attn)
-    drafter = load_drafter(drafter_spec, target, device, dtype, attn) if need_drafter else None
-    if cpu_layout:
-        use_cpu_layout(args, device, target, drafter, batch=batch)
+    target, tokenizer, target_name = load_target(args.target, device, dtype, attn, quantization)
+    drafter = None
+    if need_drafter:
+        drafter = load_drafter(drafter_spec, device, dtype, attn)
+        attach_drafter(args, target, drafter, methods, batch, choose_block)
     return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
 
 
-def use_cpu_layout(
-    args: argparse.Namespace,
-    device: torch.device,
-    *models: torch.nn.Module | None,
-    batch: int = 1,
-    block_sizes: Sequence[int] = (),
-) -> None:
-    """On CPU, unless --plain-linear: the few-rows linear layout measured fastest on this machine for each model, so
-    verify and block forwards are cheap (see cpu_linear.py). Rows up to twice the longest block this run drafts (the
-    drafter's `block_size` and `block_sizes`, e.g. a bench's dcoco@5) per sequence: a verify forward has one block,
-    the drafter's key/value projections the block plus the newly committed rows. Only the run's blocks are measured,
-    since each row count costs start-up time and a longer trained block (`max_block_size`) may never be drafted."""
-    if device.type != "cpu" or args.plain_linear:
-        return
-    drafter = next((m for m in models if isinstance(m, DCOCODrafter)), None)
-    rows_per_sequence = 2 * max([drafter.config.block_size, *block_sizes]) if drafter is not None else 1
-    max_rows = max(DEFAULT_MAX_ROWS, rows_per_sequence * batch)
-    for model in models:
-        if model is not None:
-            plan = use_few_rows_linear(model, max_rows=max_rows)
-            _log(f"few-rows linear layout of the {type(model).__name__}, measured here: {_plan_text(plan)}")
+def tune_options(args: argparse.Namespace, batch: int = 1) -> dict[str, Any]:
+    """`attach`'s tuning options from the command line: --plain-linear and an explicit --attn turn the CPU measures
+    off; `batch` sequences share each verify forward."""
+    return {"few_rows_linear": not args.plain_linear, "gqa_attention": args.attn is None, "batch_size": batch,
+            "refresh": args.retune}
 
 
-def _plan_text(plan: dict[int, str]) -> str:
-    """{2: "gemm", 3: "packed", 4: "packed"} -> "2 rows gemm, 3-4 rows packed"."""
-    runs: list[list] = []
-    for rows, name in sorted(plan.items()):
-        if runs and runs[-1][2] == name and runs[-1][1] == rows - 1:
-            runs[-1][1] = rows
-        else:
-            runs.append([rows, rows, name])
-    return ", ".join(f"{a}{'' if a == b else f'-{b}'} rows {name}" for a, b, name in runs)
+def quantization_config(name: str, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    """--quantize as a `BitsAndBytesConfig` (None for "none"), checked before anything is loaded.
+
+    8-bit quantizes every activation row on its own, without LLM.int8()'s outlier columns (`llm_int8_threshold`
+    0): those are picked per forward over all of its rows, so a row of a verify forward would compute differently
+    than the same row in a 1-token step, and greedy output could part from plain generate(). 4-bit uses nf4 (the
+    usual choice for LLM weights) and computes in the run's dtype, so the drafter beside it matches."""
+    if name == "none":
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise CLIError(
+            f"--quantize {name} needs the bitsandbytes package (0.48 or newer runs on CPU too): pip install "
+            "'dcoco-hf[bnb]', or drop --quantize",
+            exit_code=1,
+        )
+    if name == "8bit":
+        # On CPU bitsandbytes logs its float16 cast of the activations on every 8-bit product.
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
 def load_target(
-    spec: str | None, device: torch.device, dtype: torch.dtype, attn: str
+    spec: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn: str,
+    quantization: BitsAndBytesConfig | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     name = spec or str(default_target_path())
-    _log(f"loading target {name} ({dtype}, {attn}) on {device}")
+    _log(f"loading target {name} ({dtype}, {attn}{'' if quantization is None else ', bitsandbytes'}) on {device}")
+    # bitsandbytes quantizes while loading onto the device; transformers refuses to move an 8-bit model afterwards.
+    placement = {} if quantization is None else {"quantization_config": quantization, "device_map": {"": device}}
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn, **placement)
     except OSError as err:
         raise CLIError(f"could not load the target {name!r}: {err}", exit_code=1) from None
-    return model.to(device).eval(), tokenizer, name
+    except ValueError as err:  # a folder with a config.json but no causal LM or no tokenizer in it
+        raise CLIError(
+            f"--target {name}: not a causal LM with its tokenizer ({_first_line(err)}); give a folder that "
+            "save_pretrained() of an AutoModelForCausalLM and its tokenizer wrote, or a Hub id"
+        ) from None
+    if quantization is None:
+        model = model.to(device)
+    else:
+        _log(f"target quantized: {describe_quantization(model)}")
+    return model.eval(), tokenizer, name
 
 
-def load_drafter(
-    spec: str, target: PreTrainedModel, device: torch.device, dtype: torch.dtype, attn: str
-) -> DCOCODrafter:
+def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str) -> DCOCODrafter:
     _log(f"loading drafter {spec}")
     try:
         drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn)
     except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
         raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
-    drafter = drafter.to(device).eval()
-    try:
-        return drafter.attach(target)
-    except ValueError as err:
-        raise CLIError(f"the drafter {spec} does not fit the target: {err}") from None
+    except RuntimeError as err:
+        if "mismatched_sizes" not in str(err):  # transformers' refusal of weights shaped unlike the config
+            raise
+        raise CLIError(
+            f"could not load the drafter {spec}: its config.json does not match the weights saved with it (shapes "
+            "differ; transformers logs which). Restore the config.json saved with these weights, or re-save the "
+            "drafter with save_pretrained()",
+            exit_code=1,
+        ) from None
+    return drafter.to(device).eval()
 
 
 def _log(message: str) -> None:
@@ -393,8 +491,7 @@ def _log(message: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_common(args)
-    loaded = load_models(args, need_drafter=True, cpu_layout=False)  # laid out for the blocks it may draft
-    prepare_block_size(args, loaded)
+    loaded = load_models(args, need_drafter=True)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     input_ids = encode_prompt(loaded.tokenizer, args.prompt).to(loaded.device)
     with closing(MethodRunner(loaded.target, loaded.drafter, settings)) as runner:
@@ -498,47 +595,42 @@ def named_block_sizes(methods: Sequence[str]) -> list[int]:
     return [size for size in (split_method(m)[1] for m in methods) if size is not None]
 
 
-def prepare_block_size(
-    args: argparse.Namespace, loaded: Loaded, methods: Sequence[str] = ("dcoco",)
-) -> BlockSizeChoice | None:
-    """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, lay the models out on
-    CPU for every block the run may draft (`use_cpu_layout`), then set the block of unsuffixed drafter methods: the
-    --block-size given, or with auto (the default where the drafter records block_tau) the one of highest recorded
-    tau per cycle timed here. Returns that choice, if one was made."""
-    drafter = loaded.drafter
-    if drafter is None:
-        use_cpu_layout(args, loaded.device, loaded.target)
-        return None
+def attach_drafter(
+    args: argparse.Namespace,
+    target: PreTrainedModel,
+    drafter: DCOCODrafter,
+    methods: Sequence[str] = ("dcoco",),
+    batch: int = 1,
+    choose_block: bool = True,
+) -> None:
+    """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, then attach it to the
+    target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/tuning.py) for every block
+    the run may draft. Unsuffixed drafter methods draft the --block-size given, or with auto (the default where the
+    drafter records block_tau, when `choose_block`) the one of highest recorded tau per cycle timed here."""
     named = named_block_sizes(methods)
-    if named and args.block_size is not None:
+    requested = getattr(args, "block_size", None)
+    if named and requested is not None:
         raise CLIError(
-            f"--block-size {args.block_size} with block sizes in --methods: use one or the other (--block-size sets "
+            f"--block-size {requested} with block sizes in --methods: use one or the other (--block-size sets "
             "one block for every drafter method; dcoco@3,dcoco@4 compares blocks on the same prompts)"
         )
     recorded = drafter.config.block_tau is not None
-    if args.block_size == "auto" and not recorded:
+    if requested == "auto" and not recorded:
         raise CLIError(
             "--block-size auto: this drafter records no block_tau to weigh cycle times against; give a block size, "
             "or record tau per block size from a bench (scripts/record_block_tau.py)"
         )
     unsuffixed = any(m in DRAFTER_METHODS for m in methods)  # "dcoco" drafts the chosen block, "dcoco@3" its own
-    auto = unsuffixed and (args.block_size == "auto" or (args.block_size is None and recorded))
+    auto = choose_block and unsuffixed and (requested == "auto" or (requested is None and recorded))
+    block = "auto" if auto else requested if isinstance(requested, int) else drafter.config.block_size
     try:
         for size in named:
             check_block_size(drafter, size)
-        if isinstance(args.block_size, int):
-            set_block_size(drafter, args.block_size)
+        drafter.attach(target, block_size=block, extra_block_sizes=named, **tune_options(args, batch))
     except ValueError as err:
-        raise CLIError(f"--block-size / --methods: {err}") from None
-    candidates = candidate_block_sizes(drafter.config) if auto else []
-    use_cpu_layout(args, loaded.device, loaded.target, drafter, block_sizes=[*named, *candidates])
-    if not auto:
-        return None
-    _log(f"timing a cycle at blocks of {candidates[0]}-{candidates[-1]} to choose the fastest (--block-size auto)")
-    choice = choose_block_size(loaded.target, drafter, candidates)
-    set_block_size(drafter, choice.block_size)
-    _log(f"block size {choice.block_size} chosen:\n{choice.summary()}")
-    return choice
+        raise CLIError(f"the drafter does not fit the target or the block sizes asked for: {err}") from None
+    if drafter.tuning.block_choice is not None:
+        _log(f"block size {drafter.config.block_size} chosen:\n{drafter.tuning.block_choice.summary()}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -551,9 +643,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CLIError(str(err), exit_code=1) from None
     prompts = collect_prompts(args)
     need_drafter = bool(DRAFTER_METHODS & {split_method(m)[0] for m in methods})
-    loaded = load_models(args, need_drafter=need_drafter, cpu_layout=False)  # laid out below, for the run's blocks
-    config_block = loaded.drafter.config.block_size if loaded.drafter is not None else None
-    choice = prepare_block_size(args, loaded, methods)
+    loaded = load_models(args, need_drafter=need_drafter, methods=methods)
+    tuning = loaded.drafter.tuning if loaded.drafter is not None else None
+    config_block = tuning.configured_block_size if tuning is not None else None
+    choice = tuning.block_choice if tuning is not None else None
     block_size = loaded.drafter.config.block_size if loaded.drafter is not None else None
     if args.full_vocab and loaded.drafter is not None:
         loaded.drafter.set_draft_vocabulary(None)
@@ -569,14 +662,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = run_config(args, loaded, methods, prompts, block_size, config_block, choice)
     report = build_report(records, methods, config)
     print(format_report(report))
-    if args.json is not None:
-        path = Path(args.json).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        _log(f"wrote {path}")
-    if args.plots is not None:
-        for path in write_plots(report, args.plots):
-            _log(f"wrote {path}")
+    write_results(report, args.json, args.plots)
     return 0
 
 
@@ -620,7 +706,8 @@ def run_config(
             torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else cpu_name()
         ),
         "dtype": loaded.dtype_name,
-        "attn_implementation": loaded.attn,
+        "quantization": describe_quantization(loaded.target),
+        "attn_implementation": loaded.target.config._attn_implementation,
         "cache": args.cache,
         "few_rows_linear": few_rows_plan(loaded.target),
         "threads": torch.get_num_threads(),
@@ -631,17 +718,6 @@ def run_config(
         "platform": platform.platform(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def cpu_name() -> str:
-    """The processor's model name: CPU timings (which linear layout wins, a cycle's cost) depend on it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
-    return platform.processor()
 
 
 __all__ = ["CLIError", "build_parser", "default_drafter_path", "main"]

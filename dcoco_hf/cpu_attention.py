@@ -24,7 +24,10 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+)
 
 CPU_GQA_ATTENTION = "sdpa_cpu_gqa"
 

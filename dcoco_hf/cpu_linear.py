@@ -124,8 +124,20 @@ def _check_pack(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    # Subclasses (quantised layers, LoRA wrappers) keep their own forward; the plain layers inside wrappers count.
-    return [m for m in model.modules() if type(m) is nn.Linear or type(m) is FewRowsLinear]
+    """The layers a few-rows layout may take over: exactly `nn.Linear` (or already `FewRowsLinear`) holding a plain
+    floating-point weight.
+
+    Subclasses keep their own forward: bitsandbytes' Linear8bitLt and Linear4bit (int8 / packed 4-bit weights and
+    their own kernels), LoRA wrappers (the plain layers inside them count). So do plain `nn.Linear` layers whose
+    weight is a quantized tensor subclass (torchao) or not floating point, which none of the layouts can compute.
+    """
+    return [
+        m
+        for m in model.modules()
+        if type(m) in (nn.Linear, FewRowsLinear)
+        and type(m.weight) in (nn.Parameter, torch.Tensor)
+        and m.weight.is_floating_point()
+    ]
 
 
 def use_few_rows_linear(

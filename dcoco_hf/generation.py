@@ -14,16 +14,21 @@ compacting every cycle: compaction reads and writes the whole cache, holes cost 
 the fastest and the slower rows. Once masked columns exceed `COMPACT_WASTE` (half) of the cache, both caches are
 packed (every row's visible columns gathered to the right, in order; keys already carry their rotation, so this is
 exact too), which bounds the waste. The drafter's context cache works the same way with its own key mask.
+Sliding-window layers (Mistral's `sliding_window`, `layer_types` with "sliding_attention") get 4D masks whose window
+counts committed tokens, not cache columns, and cache every column like full layers (`_TargetMasks`): exact at any
+length, at the memory of a full-attention cache for those layers.
 
 Verification: the target's token at every block position is chosen exactly like `generate()` chooses it (same logits
-processors; argmax, or one multinomial sample from the processed distribution), and a draft is accepted while it
-equals that token. For sampling this is the point-mass rule of DCOCO appendix G: exactly lossless for any drafter.
+processors, those that read the sequence so far given each position's own prefix; argmax, or one multinomial sample
+from the processed distribution), and a draft is accepted while it equals that token. For sampling this is the
+point-mass rule of DCOCO appendix G: exactly lossless for any drafter.
 
 Static-friendliness: the output buffer is preallocated, every forward has a fixed block width (drafts are never cut
 to the remaining budget; surplus tokens are simply not committed), and acceptance is computed with tensor ops. What
 stays dynamic: the active batch size (finished rows leave), the cache length (grows by the longest accepted prefix
 per cycle), the drafter context width (same), and one host sync per cycle (accepted counts and finished rows, read
-together). The target mask is re-concatenated each cycle (cheap next to the forward).
+together; logits processors that read the sequence add one call, and a sync, per distinct prefix length). The
+target mask is re-concatenated each cycle (cheap next to the forward).
 """
 
 from __future__ import annotations
@@ -36,18 +41,37 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
-from .candidate_generator import DCOCOStats, DraftContextCache
+from .candidate_generator import DCOCOStats
+from .context_cache import DraftContextCache
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
@@ -60,7 +84,17 @@ COMPACT_WASTE = 0.5
 # every position of a verified block, whichever row length it belongs to.
 _ROW_LOCAL_PROCESSORS = (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
-    EpsilonLogitsWarper, EtaLogitsWarper,
+    EpsilonLogitsWarper, EtaLogitsWarper, SuppressTokensLogitsProcessor, InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+)
+# Processors that read the sequence so far, each batch row on its own (some keep per-row state, e.g. the prompt's
+# padding length, or pass the row index to a user function): exact when called on the whole batch with each row's
+# own prefix, which `_TokenPicker` does.
+_PREFIX_PROCESSORS = (
+    RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
+    SequenceBiasLogitsProcessor, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor, ForcedEOSTokenLogitsProcessor, ExponentialDecayLengthPenalty,
+    PrefixConstrainedLogitsProcessor,
 )
 
 
@@ -170,11 +204,12 @@ def _speculative_loop(
 ) -> tuple[torch.LongTensor, list[DCOCOStats]]:
     _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
     tap = drafter.tap
-    tap.listen()
-    try:
-        return _loop(target, drafter, input_ids, attention_mask, logits_processor, config, correct, selection, tap)
-    finally:
-        tap.listening = False  # plain use of the target afterwards records nothing
+    with drafter.one_call():  # refuses a second thread's call while this one runs
+        tap.listen()
+        try:
+            return _loop(target, drafter, input_ids, attention_mask, logits_processor, config, correct, selection, tap)
+        finally:
+            tap.stop()  # plain use of the target afterwards records nothing
 
 
 def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, correct, selection, tap):
@@ -183,7 +218,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     max_new = config.max_length - prompt_len
     eos = config._eos_token_tensor  # None or [n_eos]
     pad = config._pad_token_tensor if config._pad_token_tensor is not None else torch.tensor(0, device=device)
-    pick = _token_picker(logits_processor, config.do_sample)
+    picker = _TokenPicker(logits_processor, config.do_sample)
     stats = [DCOCOStats(drafter.config.block_size, drafter.config.top_k) for _ in range(batch)]
 
     # [B, L + T + S + 1] preallocated: every cycle writes its whole block (pad where not committed), no sync needed
@@ -192,13 +227,14 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()  # [B, L] key mask
     prompt_valid = mask.bool()  # [B, L] real prompt tokens (the corrector's context bigrams skip padding)
     rows = torch.arange(batch, device=device)  # [b] original row of each active row
-    cache = DynamicCache(config=target.config)
+    masks = _TargetMasks(target, longest=prompt_len + max_new + slots)
+    cache = masks.new_cache()
     dcache = DraftContextCache()
 
     # Prefill: the prompts, then the first token chosen by the target itself (it becomes the first anchor).
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L] index in the unpadded sequence
-    logits, states = _target_forward(target, tap, input_ids, mask, positions, cache, stats, rows, keep=1)
-    anchor = pick(logits)[:, 0]  # [B]
+    logits, states = _target_forward(target, tap, input_ids, masks(mask, cache), positions, cache, stats, rows, keep=1)
+    anchor = picker.at(input_ids, torch.full((batch,), prompt_len, device=device), rows)(logits)[:, 0]  # [B]
     anchor_pos = mask.sum(1)  # [B] the anchor's index in the unpadded sequence
     done, new = _commit(out, written, prompt_len, anchor[:, None], torch.ones_like(anchor), max_new, eos, pad, rows)
     host = torch.stack([new, done.long()]).tolist()  # the one host sync of the prefill
@@ -235,8 +271,9 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         # Verify: [anchor, drafts] for every row at its true positions; holes and padding are masked keys.
         block = torch.cat([anchor[:, None], drafts], dim=1)  # [b, S + 1]
         mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # [b, K + S + 1]
-        logits, states = _target_forward(target, tap, block, mask, block_pos, cache, stats, rows)
-        chosen, accepted = _verify(pick, logits, drafts)  # [b, S + 1], [b]
+        logits, states = _target_forward(target, tap, block, masks(mask, cache), block_pos, cache, stats, rows)
+        history = (None, None) if picker.row_local else _with_drafts(out, written, rows, prompt_len, drafts)
+        chosen, accepted = _verify(picker.at(*history, rows), logits, drafts)  # [b, S + 1], [b]
         done, new = _commit(out, written, prompt_len, chosen, accepted + 1, max_new, eos, pad, rows)
         anchor_pos = anchor_pos + accepted + 1  # [b] = committed tokens before the anchor = valid cache columns
         host_accepted, host_new, finished, valid_columns = torch.stack(
@@ -284,6 +321,83 @@ def _take_columns(states: torch.Tensor, index: torch.LongTensor) -> torch.Tensor
     return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
 
 
+class _TargetMasks:
+    """What each target forward gets as `attention_mask`, and the cache it fills.
+
+    Full-attention layers read the 2D key mask as is: holes and left padding are masked keys. Sliding-window layers
+    cannot: transformers measures their window in cache columns, and holes and padding put columns farther apart
+    than tokens, so their queries would lose keys plain decoding attends to. With sliding layers, every layer caches
+    every column (plain croppable layers; a sliding cache layer drops old columns, which rolling back rejected drafts
+    needs), and each forward gets 4D masks built by transformers' own `create_causal_mask` (so in the format of the
+    attention implementation) with the window counted in committed tokens: a key is visible to a query when it is
+    one of the `window` last tokens up to and including the query's, exactly the keys plain decoding attends to.
+    """
+
+    def __init__(self, target: PreTrainedModel, longest: int) -> None:
+        self.config = target.config
+        self.dtype = target.dtype
+        text = self.config.get_text_config(decoder=True)
+        windows = _layer_windows(text)
+        self.sliding = any(window is not None for window in windows.values())
+        # A window at least as long as the longest sequence of this call (prompt + budget + a block) hides no key:
+        # such layers get the plain causal mask, which needs no per-element mask function.
+        self.windows = {kind: None if window is None or window >= longest else window
+                        for kind, window in windows.items()}
+        self.by_type = getattr(text, "layer_types", None) is not None  # the model reads {layer type: mask}
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache() if self.sliding else DynamicCache(config=self.config)
+
+    def __call__(self, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor | dict[str, torch.Tensor]:
+        """mask: [b, K + n] key mask of the cache plus the n new tokens -> the forward's `attention_mask`."""
+        if not self.sliding:
+            return mask
+        positions = mask.cumsum(1) - 1  # [b, K + n] each visible column's index in its unpadded sequence
+        # Shape, dtype and device of the queries are all create_causal_mask reads from the embeddings.
+        queries = torch.empty(mask.shape[0], mask.shape[1] - cache.get_seq_length(), 0, dtype=self.dtype,
+                              device=mask.device)
+        built = {
+            window: create_causal_mask(
+                config=self.config, inputs_embeds=queries, attention_mask=mask, cache=cache,
+                and_mask_function=None if window is None else _window_function(positions, window),
+                allow_is_causal_skip=False,  # a None mask would let the model build its column-counted one
+            )
+            for window in set(self.windows.values())
+        }
+        if self.by_type:
+            return {kind: built[window] for kind, window in self.windows.items()}
+        return next(iter(built.values()))  # without layer_types every layer is of the one type
+
+
+def _window_function(positions: torch.Tensor, window: int):
+    """A mask function (transformers' index convention: q and kv are cache columns) keeping the keys less than
+    `window` committed tokens before the query."""
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return positions[batch_idx, q_idx] - positions[batch_idx, kv_idx] < window
+
+    return inner
+
+
+def _layer_windows(text_config) -> dict[str, int | None]:
+    """{attention layer type: its sliding window, None for full attention}; configs without `layer_types` (Mistral)
+    slide in every layer when they set `sliding_window`. Raises for layers the loop cannot mask exactly."""
+    window = getattr(text_config, "sliding_window", None)
+    chunked = getattr(text_config, "attention_chunk_size", None) is not None
+    default = "sliding_attention" if window is not None else "chunked_attention" if chunked else "full_attention"
+    kinds = set(getattr(text_config, "layer_types", None) or [default])
+    unsupported = sorted(kinds - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise ValueError(
+            f"speculative_generate supports full and sliding-window attention layers, not {unsupported}: chunked or "
+            "recurrent layers cannot keep the masked holes of a ragged batch. Use target.generate(assistant_model="
+            "drafter) one prompt at a time, or plain generate()."
+        )
+    if "sliding_attention" in kinds and window is None:
+        raise ValueError("The target config has sliding_attention layers but no sliding_window; set its window.")
+    return {kind: window if kind == "sliding_attention" else None for kind in kinds}
+
+
 def _target_forward(target, tap, ids, mask, positions, cache, stats, rows, keep: int = 0):
     """One target forward with hidden-state capture: (logits [b, n or keep, V] fp32, states [b, n, nL*H])."""
     tap.drain()
@@ -312,19 +426,57 @@ def _verify(pick, logits: torch.Tensor, drafts: torch.LongTensor) -> tuple[torch
     return chosen, (drafts == chosen[:, :-1]).long().cumprod(1).sum(1)
 
 
-def _token_picker(processors: LogitsProcessorList, do_sample: bool):
-    """logits [b, n, V] -> the tokens generate() would choose at each of the n positions [b, n]."""
+class _TokenPicker:
+    """Chooses the token generate() would choose at every position of a block: its logits processors, then argmax or
+    one sample from the processed distribution.
 
-    def pick(logits: torch.Tensor) -> torch.LongTensor:
+    Processors that read only the logits row (temperature, top_k, ...) run once over all positions. Those that read
+    the sequence so far (`_PREFIX_PROCESSORS`: repetition_penalty, min_new_tokens, ...) get at position i of row r
+    exactly the input_ids row plain generate() gives them there (left-padded prompt, committed tokens, the block's
+    first i inputs), in a batch of generate()'s shape since some keep per-row state; rows of a ragged batch are at
+    different lengths, so there is one call per distinct length (its other rows are processed and discarded).
+    """
+
+    def __init__(self, processors: LogitsProcessorList, do_sample: bool) -> None:
+        self.processors, self.do_sample = processors, do_sample
+        self.row_local = all(isinstance(p, _ROW_LOCAL_PROCESSORS) for p in processors)
+
+    def at(self, tokens: torch.LongTensor | None, start: torch.LongTensor | None, rows: torch.LongTensor):
+        """pick(logits [b, n, V]) -> tokens [b, n] for the active `rows` [b], where position i of active row j has
+        the prefix tokens[rows[j], : start[j] + i] (tokens [B, W] for every row of the call; tokens and start may be
+        None when every processor is row-local)."""
+        return lambda logits: self._choose(self._scores(logits, tokens, start, rows))
+
+    def _scores(self, logits: torch.Tensor, tokens, start, rows) -> torch.Tensor:
         b, n, vocab = logits.shape
-        flat = logits.reshape(b * n, vocab)
-        # Row-local processors ignore input_ids (checked in _check_supported); they still want a [rows, len] tensor.
-        scores = processors(flat.new_zeros(b * n, 1, dtype=torch.long), flat)
-        if do_sample:
-            return torch.multinomial(scores.softmax(-1), num_samples=1).view(b, n)
-        return scores.argmax(-1).view(b, n)
+        if self.row_local:  # row-local processors ignore input_ids; they still want a [rows, len] tensor
+            flat = logits.reshape(b * n, vocab)
+            return self.processors(flat.new_zeros(b * n, 1, dtype=torch.long), flat).view(b, n, vocab)
+        lengths = start[:, None] + torch.arange(n, device=logits.device)  # [b, n] prefix length at each position
+        scores = torch.empty_like(logits)
+        for length in lengths.unique().tolist():
+            active, position = (lengths == length).nonzero(as_tuple=True)  # at most one position per row
+            batch_scores = logits.new_zeros(tokens.shape[0], vocab)  # rows not at this length: discarded
+            batch_scores[rows[active]] = logits[active, position]
+            processed = self.processors(tokens[:, :length], batch_scores)
+            scores[active, position] = processed[rows[active]]
+        return scores
 
-    return pick
+    def _choose(self, scores: torch.Tensor) -> torch.LongTensor:
+        if self.do_sample:
+            b, n, vocab = scores.shape
+            return torch.multinomial(scores.reshape(b * n, vocab).softmax(-1), num_samples=1).view(b, n)
+        return scores.argmax(-1)
+
+
+def _with_drafts(out, written, rows, prompt_len, drafts) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Every row's committed tokens, the active rows' drafts after them [B, W], and the active rows' committed
+    lengths [b]: block position i of active row j has the prefix of length start[j] + i."""
+    start = prompt_len + written[rows]  # [b]
+    columns = start[:, None] + torch.arange(drafts.shape[1], device=drafts.device)  # [b, S], inside out's spare room
+    tokens = out.clone()
+    tokens[rows] = tokens[rows].scatter(1, columns, drafts)
+    return tokens, start
 
 
 def _commit(out, written, prompt_len, tokens, counts, max_new, eos, pad, rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,12 +544,14 @@ def _check_supported(target, drafter, logits_processor, stopping_criteria, confi
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(config, flag, False):
             raise ValueError(f"{flag}=True is not supported by speculative_generate; leave it False.")
-    unsupported = [type(p).__name__ for p in logits_processor if not isinstance(p, _ROW_LOCAL_PROCESSORS)]
+    supported = _ROW_LOCAL_PROCESSORS + _PREFIX_PROCESSORS
+    unsupported = [type(p).__name__ for p in logits_processor if not isinstance(p, supported)]
     if unsupported:
         raise ValueError(
-            f"Logits processors {unsupported} depend on the sequence so far (or its length), which differs per row "
-            "in a ragged speculative batch; speculative_generate supports temperature, top_k, top_p, min_p, typical, "
-            "epsilon and eta. Drop those settings (e.g. repetition_penalty, min_new_tokens) or use plain generate()."
+            f"Logits processors {unsupported} are not supported by speculative_generate: it applies, exactly, only "
+            "processors known to treat each row on its own (generate()'s own sampling, penalty, n-gram, bad-words, "
+            "sequence-bias, prefix-constraint and length settings). Generate one prompt at a time with "
+            "target.generate(assistant_model=drafter), or use plain generate()."
         )
     other = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     if other:
@@ -405,11 +559,6 @@ def _check_supported(target, drafter, logits_processor, stopping_criteria, confi
                          "and eos_token_id.")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculative_generate starts from an empty cache; do not pass a filled `cache`.")
-    text = target.config.get_text_config()
-    if set(getattr(text, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        raise ValueError(
-            "speculative_generate keeps masked holes in the KV cache, which sliding-window or recurrent layers "
-            "cannot represent; use a full-attention target or target.generate(assistant_model=drafter) per prompt."
-        )
+    _layer_windows(target.config.get_text_config(decoder=True))  # raises for layers the loop cannot mask
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]

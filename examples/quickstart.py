@@ -15,7 +15,6 @@ import time
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from dcoco_hf import CPU_GQA_ATTENTION, choose_block_size, set_block_size, use_few_rows_linear
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.cli import default_drafter_path
 
@@ -30,16 +29,9 @@ def main(argv: list[str] | None = None) -> dict:
     target_path = args.target or default_target_path()  # a plain Hugging Face folder, built once on first use
     target = AutoModelForCausalLM.from_pretrained(target_path).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    # attach() borrows the target's embedding and lm_head and taps its hidden states: one call, no patching.
+    # attach() borrows the target's embedding and lm_head, taps its hidden states and tunes both for this device
+    # (CPU layouts and attention, block size; measured once, then cached on disk), logging one line. No patching.
     drafter = AutoModel.from_pretrained(args.drafter or default_drafter_path(), trust_remote_code=True).attach(target)
-    if target.device.type == "cpu":  # few-row verify forwards in the layout measured fastest on this CPU
-        target.set_attn_implementation(CPU_GQA_ATTENTION)  # and masked GQA attention without the key/value copies
-        use_few_rows_linear(target, max_rows=2 * drafter.config.largest_block_size)
-        use_few_rows_linear(drafter, max_rows=2 * drafter.config.largest_block_size)
-    if drafter.config.block_tau is not None:  # DScout: the block of highest tau per cycle time timed on this machine
-        choice = choose_block_size(target, drafter)
-        set_block_size(drafter, choice.block_size)
-        print(f"block size {choice.block_size}, the fastest here:\n{choice.summary()}")
 
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)

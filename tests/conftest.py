@@ -8,7 +8,9 @@ own training objective), then `scrambled` randomises the corrector so correction
 from __future__ import annotations
 
 import copy
+import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.corrector import CorpusBigrams, DCOCOCorrector
 from dcoco_hf.training import drafter_loss, target_context
+
+# attach() caches its CPU measurements on disk; tests keep theirs out of the user's ~/.cache.
+os.environ.setdefault("DCOCO_HF_TUNING_DIR", tempfile.mkdtemp(prefix="dcoco-hf-tuning-"))
 
 # Tiny models are dominated by per-op overhead; a second OpenMP thread only adds contention on 2-core machines (10x).
 torch.set_num_threads(1)

@@ -19,6 +19,7 @@ from conftest import VOCAB, scrambled
 from sampling_reference import (
     PROMPT, T, exact_distribution, histogram, iid_tv_quantiles, peaked_target, random_drafter, total_variation,
 )
+from transformers import LogitsProcessorList
 
 import dcoco_hf.generation as generation
 from dcoco_hf import SpeculativeOutput, speculative_generate
@@ -173,9 +174,10 @@ def test_custom_generate_entry_point(fitted):
 def test_unsupported_settings_fail_clearly(fitted):
     target, drafter = fitted
     ids, mask = left_padded(60, [4, 6])
-    with pytest.raises(ValueError, match="repetition_penalty"):
+    custom = LogitsProcessorList([lambda input_ids, scores: scores])  # how it reads rows is unknown: refused
+    with pytest.raises(ValueError, match="not supported by speculative_generate"):
         speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5,
-                             repetition_penalty=1.3, pad_token_id=PAD)
+                             logits_processor=custom, pad_token_id=PAD)
     with pytest.raises(TypeError, match="by keyword"):
         speculative_generate(target, drafter, ids)
     with pytest.raises(ValueError, match="num_beams"):

@@ -94,9 +94,9 @@ def test_from_pretrained_accepts_the_name(tmp_path):
     assert model.config._attn_implementation == CPU_GQA_ATTENTION
 
 
-def test_cli_uses_it_by_default_on_cpu_only():
+def test_cli_loads_sdpa_and_leaves_the_cpu_switch_to_attach():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_attn(None, cpu, torch.float32) == CPU_GQA_ATTENTION
+    assert resolve_attn(None, cpu, torch.float32) == "sdpa"  # attach() switches it to sdpa_cpu_gqa on CPU
     assert resolve_attn("sdpa", cpu, torch.float32) == "sdpa"
     assert resolve_attn(None, cuda, torch.float32) == "sdpa"
 

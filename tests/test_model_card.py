@@ -7,6 +7,7 @@ package code changes without the copy being refreshed (`python scripts/sync_mode
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from dcoco_hf.cli import DEFAULT_DRAFTER_NAME
 from dcoco_hf.cpu_linear import available_layouts, use_few_rows_linear
 
 CARD = Path(__file__).resolve().parents[1] / "model_cards" / DEFAULT_DRAFTER_NAME
-CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "candidate_generator.py")
+_SYNC = runpy.run_path(str(CARD.parents[1] / "scripts" / "sync_model_card.py"))
+CODE_FILES = tuple(_SYNC["remote_code_files"]())
 
 
 def test_folder_is_complete_and_hub_ready():

@@ -1,6 +1,12 @@
 """Training the DCOCO drafter: data regeneration, the packed DFlash objective, the joint DCOCO stage, Trainer glue."""
 
-from .losses import dcoco_loss, dflash_loss, pack_blocks, sample_anchors, transition_labels
+from .losses import (
+    dcoco_loss,
+    dflash_loss,
+    pack_blocks,
+    sample_anchors,
+    transition_labels,
+)
 from .objective import DrafterLoss, drafter_loss, target_context
 from .retarget import lora_config_for_drafter, measure_tau
 

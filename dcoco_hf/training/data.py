@@ -38,7 +38,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, humaneval_prompts, left_pad, padding_id
+from ..assets import (
+    HUMANEVAL_TEMPLATE,
+    chat_input_ids,
+    eos_token_ids,
+    humaneval_prompts,
+    left_pad,
+    padding_id,
+)
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",

@@ -17,6 +17,14 @@ is the cross-entropy over the joint softmax of the pair's K^2 transition scores,
 That joint cross-entropy is the sum of two terms, -log p(a*) - log p(b* | a*): finding the predecessor's row, and the
 successor given it. The prefix-first walk only ever makes the second decision (its predecessor is already chosen), so
 `successor_loss` keeps that term alone (`pair_loss="successor"` in training; the paper's joint loss is the default).
+
+LiLiCorr (arXiv:2608.20530, `dcoco_hf/lilicorr.py`): `lilicorr_loss` is the public training objective's
+cross-entropy term: per slot, a softmax over its K candidates given the true predecessor (the anchor's start scores for
+slot 1), on the slots whose true token, and every earlier slot's, is inside the top-K (past the first miss nothing can
+be accepted, so nothing is taught there).
+
+DScout's acceptance-weighted loss (AWL) replaces the fixed decay of the DFlash slot loss: slot k is weighted by the
+probability, detached, that every earlier slot is accepted (`awl_slot_weights`).
 """
 
 from __future__ import annotations
@@ -119,12 +127,55 @@ def default_gamma(block_size: int) -> float:
 
 
 def dflash_loss(
-    labelled_logits: torch.Tensor, labels: torch.LongTensor, slot: torch.LongTensor, block_size: int, gamma: float
+    labelled_logits: torch.Tensor,
+    labels: torch.LongTensor,
+    slot: torch.LongTensor,
+    block_size: int,
+    gamma: float,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted slot cross-entropy over the labelled slots: logits [L, V], labels [L], slot index [L] (0 = slot 1)."""
+    """Weighted slot cross-entropy over the labelled slots: logits [L, V], labels [L], slot index [L] (0 = slot 1).
+
+    weights [L], when given, replace the decay exp(-(k-1)/gamma) (e.g. `awl_slot_weights`)."""
     ce = F.cross_entropy(labelled_logits.float(), labels, reduction="none")
-    weights = slot_weights(block_size, gamma, labelled_logits.device)[slot]
+    if weights is None:
+        weights = slot_weights(block_size, gamma, labelled_logits.device)[slot]
     return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+
+
+SLOT_WEIGHTINGS = ("decay", "awl")
+
+
+def awl_slot_weights(label_probs: torch.Tensor, labelled: torch.BoolTensor) -> torch.Tensor:
+    """DScout's acceptance weights: w_k = stop-grad(prod_{j<k} alpha_j), alpha_j the probability that slot j is
+    accepted, for label_probs / labelled [..., S] (slot axis last) -> [..., S].
+
+    Our labels are the target's greedy tokens y*, so the target distribution P_j is the one-hot of y*_j, and for a
+    draft token sampled from the drafter's Q_j, E[min(1, P_j(y) / Q_j(y))] = sum_y min(Q_j(y), P_j(y)) = Q_j(y*_j):
+    alpha_j is the drafter's probability of the label (label_probs). An unlabelled slot is never accepted (alpha 0).
+    Slot 1 always weighs 1.
+    """
+    alpha = torch.where(labelled, label_probs.detach().float(), 0.0)
+    ones = torch.ones_like(alpha[..., :1])
+    return torch.cat([ones, alpha[..., :-1]], dim=-1).cumprod(dim=-1)
+
+
+def lilicorr_loss(
+    start_scores: torch.Tensor, pair_scores: torch.Tensor, index: torch.LongTensor, found: torch.BoolTensor
+) -> torch.Tensor:
+    """LiLiCorr's chain cross-entropy: slot 1 over the start scores, slot p + 1 over the K successors of the true
+    slot-p candidate, averaged over the slots whose true token is in the top-K at that slot and at every earlier one.
+
+    start_scores [R, K], pair_scores [R, S - 1, K, K]; index [R, S] the true token's position in each slot's top-K,
+    found [R, S] whether it is there (and labelled), from `candidate_index`.
+    """
+    k = start_scores.shape[-1]
+    before = index[:, :-1, None, None].expand(-1, -1, 1, k)  # [R, S - 1, 1, K]
+    successors = pair_scores.gather(2, before).squeeze(2)  # [R, S - 1, K] the true predecessor's rows
+    nodes = torch.cat([start_scores[:, None], successors], dim=1).float()  # [R, S, K]
+    ce = F.cross_entropy(nodes.flatten(0, 1), index.flatten(), reduction="none").view(index.shape)  # [R, S]
+    supervised = found.long().cumprod(dim=-1).float()  # the oracle prefix
+    return (ce * supervised).sum() / supervised.sum().clamp(min=1.0)
 
 
 def candidate_index(

@@ -9,12 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..candidate_generator import TargetTap
+from ..tap import TargetTap
 from .losses import (
+    SLOT_WEIGHTINGS,
+    awl_slot_weights,
     candidate_index,
     default_gamma,
     dflash_loss,
     first_slot_loss,
+    lilicorr_loss,
     pack_blocks,
     pair_loss_fn,
     predecessor_rows,
@@ -71,6 +74,7 @@ def drafter_loss(
     generator: torch.Generator | None = None,
     block_size: int | None = None,
     pair_loss: str = "joint",
+    slot_weighting: str = "decay",
 ) -> DrafterLoss:
     """The stage-1 DFlash loss, plus the stage-2 DCOCO loss when `dcoco` (both labelled by the target's argmax).
 
@@ -79,8 +83,12 @@ def drafter_loss(
     drafting block, `config.block_size`) sets the training blocks; nothing in the weights depends on it, so one
     checkpoint can be trained on several sizes (DScout's mixed horizons, see `DrafterTrainingModel`).
     `pair_loss`: "joint" (the paper's K^2 softmax) or "successor" (the true predecessor's row only, see losses).
+    `slot_weighting`: the DFlash slot loss's weights, "decay" (exp(-(k-1)/gamma)) or "awl" (DScout's acceptance
+    weights, `awl_slot_weights`). With `config.corrector_type == "lilicorr"` stage 2 is LiLiCorr's chain loss.
     """
     pair_loss_of = pair_loss_fn(pair_loss)
+    if slot_weighting not in SLOT_WEIGHTINGS:
+        raise ValueError(f"slot_weighting={slot_weighting!r} is unknown; choose one of {SLOT_WEIGHTINGS}.")
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
@@ -100,13 +108,20 @@ def drafter_loss(
     slot, labels = labelled.nonzero()[:, -1], columns[labelled]  # [L], [L] (columns of the labels)
     logits, column_tokens = drafter.proposal_logits(slot_hidden[labelled])  # [L, V'], token id of each column
     gamma = gamma if gamma is not None else default_gamma(block_size)
-    stage1 = dflash_loss(logits, labels, slot, block_size, gamma)
+    weights = None
+    if slot_weighting == "awl":
+        label_probs = logits.float().softmax(-1).gather(1, labels[:, None]).squeeze(1)  # [L] Q_k(y*_k)
+        grid = torch.zeros(labelled.shape, device=logits.device).index_put((labelled,), label_probs)  # [N, m, S]
+        weights = awl_slot_weights(grid, labelled)[labelled]  # [L]
+    stage1 = dflash_loss(logits, labels, slot, block_size, gamma, weights)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels).float()
         counts = torch.zeros(labelled.shape[-1], device=logits.device).index_add_(0, slot, torch.ones_like(correct))
         accuracy = torch.zeros_like(counts).index_add_(0, slot, correct) / counts.clamp(min=1)
     if not dcoco:
         return DrafterLoss(stage1, stage1.detach(), None, accuracy)
+    if cfg.corrector_type == "lilicorr":
+        return _lilicorr_stage(drafter, stage1, accuracy, blocks, labelled, slot_hidden, context_states)
 
     top_logits, top_ids = logits.topk(cfg.top_k, dim=-1)  # [L, K]
     if column_tokens is not None:
@@ -148,6 +163,45 @@ def drafter_loss(
                 )
     return DrafterLoss(
         stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(scores, pair_index, usable),
+        first_accuracy,
+    )
+
+
+def _lilicorr_stage(
+    drafter: torch.nn.Module,
+    stage1: torch.Tensor,
+    accuracy: torch.Tensor,
+    blocks,
+    labelled: torch.BoolTensor,
+    slot_hidden: torch.Tensor,
+    context_states: torch.Tensor,
+) -> DrafterLoss:
+    """Stage 2 with a LiLiCorr head: score each block's whole lattice as `propose` does, then the chain loss.
+
+    Every slot of a scored block needs its candidates (the lattice attention reads them all), so the lm_head runs over
+    all slots of the blocks whose slot 1 is labelled; blocks without a labelled slot 1 teach the chain nothing.
+    """
+    cfg = drafter.config
+    rows = labelled[..., 0]  # [N, m]
+    hidden = slot_hidden[rows]  # [R, S, H]
+    logits, column_tokens = drafter.proposal_logits(hidden)  # [R, S, V']
+    top_logits, candidates = logits.topk(cfg.top_k, dim=-1)  # [R, S, K]
+    if column_tokens is not None:
+        candidates = column_tokens[candidates]
+    log_probs = top_logits - logits.logsumexp(-1, keepdim=True)  # [R, S, K]
+    index, found = candidate_index(candidates, blocks.labels[rows], labelled[rows])  # [R, S]
+    # The anchor row is the fused target context just before each block, as drafting reads it (`anchor_rows`).
+    sequence, before = rows.nonzero()[:, 0], blocks.anchors[rows] - 1  # [R], [R]
+    anchor = drafter.hidden_norm(drafter.fc(context_states[sequence, before.clamp(min=0)]))  # [R, H]
+    start, pairs = drafter.lilicorr_scores(hidden, candidates, log_probs, anchor, before >= 0)
+    stage2 = lilicorr_loss(start, pairs, index, found)
+    k = cfg.top_k
+    pair_index, usable = index[:, :-1] * k + index[:, 1:], found[:, :-1] & found[:, 1:]  # [R, S - 1]
+    first = found[:, 0]
+    with torch.no_grad():
+        first_accuracy = ((index[first, 0] == 0).float().mean(), (start.argmax(-1) == index[:, 0])[first].float().mean())
+    return DrafterLoss(
+        stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(pairs, pair_index, usable),
         first_accuracy,
     )
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .losses import pair_loss_fn
+from .losses import SLOT_WEIGHTINGS, pair_loss_fn
 from .objective import drafter_loss, target_context
 
 
@@ -36,11 +36,15 @@ class DrafterTrainingModel(nn.Module):
 
     `pair_loss` (stage 2): "joint", the paper's cross-entropy over each pair's K^2 transitions, or "successor", over
     the true predecessor's K successors only (the one decision the prefix-first walk makes).
+
+    `slot_weighting`: how the DFlash slot loss weighs slots, "decay" (exp(-(k-1)/gamma)) or "awl" (DScout's
+    acceptance-weighted loss). A drafter with `corrector_type="lilicorr"` trains its LiLiCorr head in stage 2.
     """
 
     def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
                  gamma: float | None = None, rho: float = 4.0, corrector_only: bool = False,
-                 block_sizes: Sequence[int] | None = None, pair_loss: str = "joint") -> None:
+                 block_sizes: Sequence[int] | None = None, pair_loss: str = "joint",
+                 slot_weighting: str = "decay") -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: use 1 (DFlash) or 2 (joint DFlash + DCOCO).")
@@ -59,6 +63,9 @@ class DrafterTrainingModel(nn.Module):
         pair_loss_fn(pair_loss)  # refuse an unknown name now rather than at the first training step
         self.stage, self.num_anchors, self.gamma, self.rho = stage, num_anchors, gamma, rho
         self.pair_loss = pair_loss
+        if slot_weighting not in SLOT_WEIGHTINGS:
+            raise ValueError(f"slot_weighting={slot_weighting!r} is unknown; choose one of {SLOT_WEIGHTINGS}.")
+        self.slot_weighting = slot_weighting
         if corrector_only:
             drafter.requires_grad_(False)  # the corrector is switched back on just below
         # Stage 1 leaves the zero-output corrector untouched; stage 2 trains it jointly with the backbone. A PEFT
@@ -79,7 +86,7 @@ class DrafterTrainingModel(nn.Module):
         out = drafter_loss(
             self.drafter, input_ids, loss_mask, context_states.to(self.drafter.dtype),
             target_argmax, self.num_anchors, self.gamma, self.rho, dcoco=self.stage == 2, block_size=block_size,
-            pair_loss=self.pair_loss,
+            pair_loss=self.pair_loss, slot_weighting=self.slot_weighting,
         )
         return {
             "loss": out.loss, "dflash": out.dflash, "dcoco": out.dcoco, "slot_accuracy": out.slot_accuracy,

@@ -14,7 +14,10 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from .lilicorr import config_from_public
+
 SELECTIONS = ("greedy", "viterbi", "geometric")
+CORRECTOR_TYPES = ("dcoco", "lilicorr")
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
     "AutoModel": "modeling_dcoco.DCOCODrafter",
@@ -54,6 +57,15 @@ class DCOCOConfig(PreTrainedConfig):
             draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
             draft_vocab_size times cheaper. None: the whole vocabulary.
+        corrector_type: which corrector re-selects the candidates: "dcoco" (the transition MLP, default; every config
+            written before this field loads as "dcoco") or "lilicorr" (`dcoco_hf/lilicorr.py`: one lattice transformer,
+            cosine scores). Both feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
+            loads as "lilicorr".
+        lilicorr_block_size: the largest block (anchor + slots) the LiLiCorr head serves; its slot embedding and
+            slot bias are sized for it. Default: `block_size` when the head is built.
+        lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
+        lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
+            in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
         block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
             model card says which). With cycle times timed on the machine at hand it picks the block size of highest
             tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
@@ -93,6 +105,15 @@ class DCOCOConfig(PreTrainedConfig):
     corpus_bigrams: int | None = None
     draft_vocab_size: int | None = None
     block_tau: dict | None = None
+    corrector_type: str = "dcoco"
+    lilicorr_block_size: int | None = None
+    lilicorr_hidden_size: int = 128
+    lilicorr_num_layers: int = 2
+    lilicorr_num_heads: int = 4
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 64
+    lilicorr_vector_eps: float = 1e-4
+    lilicorr_logit_scale: float = 10.0
 
     def __init__(
         self,
@@ -127,6 +148,15 @@ class DCOCOConfig(PreTrainedConfig):
         draft_vocab_size: int | None = None,
         block_tau: dict[str, float] | None = None,
         layer_types: list[str] | None = None,
+        corrector_type: str = "dcoco",
+        lilicorr_block_size: int | None = None,
+        lilicorr_hidden_size: int = 128,
+        lilicorr_num_layers: int = 2,
+        lilicorr_num_heads: int = 4,
+        lilicorr_mlp_ratio: float = 2.0,
+        lilicorr_factor_dim: int = 64,
+        lilicorr_vector_eps: float = 1e-4,
+        lilicorr_logit_scale: float = 10.0,
         dflash_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -135,6 +165,16 @@ class DCOCOConfig(PreTrainedConfig):
         block_size = block_size if block_size is not None else dflash_config.get("block_size", 16)
         mask_token_id = mask_token_id if mask_token_id is not None else dflash_config.get("mask_token_id")
         target_layer_ids = target_layer_ids if target_layer_ids is not None else dflash_config.get("target_layer_ids")
+        # A public LiLiCorr checkpoint keeps its head geometry there too (`lilicorr_*`, candidate_topk = our top_k).
+        public = config_from_public(dflash_config)
+        if public is not None:
+            corrector_type, top_k = public.pop("corrector_type"), public.pop("top_k")
+            lilicorr_block_size = public.pop("lilicorr_block_size", block_size)
+            lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio = (
+                public["lilicorr_hidden_size"], public["lilicorr_num_layers"], public["lilicorr_num_heads"],
+                public["lilicorr_mlp_ratio"])
+            lilicorr_factor_dim, lilicorr_vector_eps, lilicorr_logit_scale = (
+                public["lilicorr_factor_dim"], public["lilicorr_vector_eps"], public["lilicorr_logit_scale"])
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -167,6 +207,17 @@ class DCOCOConfig(PreTrainedConfig):
         self.draft_vocab_size = draft_vocab_size
         # JSON keys are strings; ints are accepted too.
         self.block_tau = {str(int(b)): float(t) for b, t in block_tau.items()} if block_tau is not None else None
+        self.corrector_type = corrector_type
+        if corrector_type == "lilicorr" and lilicorr_block_size is None:
+            lilicorr_block_size = self.block_size  # the head is sized for the block it is built to draft
+        self.lilicorr_block_size = int(lilicorr_block_size) if lilicorr_block_size is not None else None
+        self.lilicorr_hidden_size = int(lilicorr_hidden_size) or hidden_size  # 0 means the drafter's width
+        self.lilicorr_num_layers = int(lilicorr_num_layers)
+        self.lilicorr_num_heads = int(lilicorr_num_heads)
+        self.lilicorr_mlp_ratio = float(lilicorr_mlp_ratio)
+        self.lilicorr_factor_dim = int(lilicorr_factor_dim)
+        self.lilicorr_vector_eps = float(lilicorr_vector_eps)
+        self.lilicorr_logit_scale = float(lilicorr_logit_scale)
         kwargs.setdefault("tie_word_embeddings", False)
         # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.
         kwargs["auto_map"] = dict(AUTO_MAP)
@@ -176,8 +227,9 @@ class DCOCOConfig(PreTrainedConfig):
     @property
     def largest_block_size(self) -> int:
         """The longest block this drafter may draft: `max_block_size` if training covered longer blocks than
-        `block_size`, the one it drafts by default."""
-        return max(self.block_size, self.max_block_size or 0)
+        `block_size`, the one it drafts by default; a LiLiCorr head also caps it at the block it is sized for."""
+        largest = max(self.block_size, self.max_block_size or 0)
+        return min(largest, self.lilicorr_block_size) if self.corrector_type == "lilicorr" else largest
 
     def check_dcoco_fields(self) -> None:
         """Raise a ValueError naming the bad field and the fix."""
@@ -195,6 +247,7 @@ class DCOCOConfig(PreTrainedConfig):
                     f"{self.largest_block_size}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None "
                     "when it was not measured (scripts/record_block_tau.py records it from bench JSON files)."
                 )
+        self.check_lilicorr_fields()
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}.")
         if not 0.0 < self.geometric_lambda <= 1.0:
@@ -233,6 +286,34 @@ class DCOCOConfig(PreTrainedConfig):
                     f"target_layer_ids={self.target_layer_ids} is out of range for a target with "
                     f"num_target_layers={self.num_target_layers} (valid: 0..{self.num_target_layers - 1})."
                 )
+
+
+    def check_lilicorr_fields(self) -> None:
+        """Raise a ValueError naming the bad corrector field and the fix."""
+        if self.corrector_type not in CORRECTOR_TYPES:
+            raise ValueError(f"corrector_type={self.corrector_type!r} is unknown; choose one of {CORRECTOR_TYPES}.")
+        if self.corrector_type != "lilicorr":
+            return
+        if self.context_bigrams or self.corpus_bigrams:
+            raise ValueError(
+                "context_bigrams / corpus_bigrams are inputs of the DCOCO corrector; a LiLiCorr head does not read "
+                "them. Set both off (False / None) with corrector_type='lilicorr'."
+            )
+        if not 2 <= self.block_size <= self.lilicorr_block_size:
+            raise ValueError(
+                f"block_size={self.block_size} with lilicorr_block_size={self.lilicorr_block_size}: a LiLiCorr head "
+                "serves blocks from 2 up to the size it was built for; draft a smaller block or train a larger head."
+            )
+        if self.lilicorr_hidden_size % self.lilicorr_num_heads:
+            raise ValueError(
+                f"lilicorr_hidden_size={self.lilicorr_hidden_size} is not divisible by lilicorr_num_heads="
+                f"{self.lilicorr_num_heads}; pick a head count that divides the head width."
+            )
+        bad = {name: getattr(self, name) for name in (
+            "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
+            "lilicorr_vector_eps", "lilicorr_logit_scale") if not getattr(self, name) > 0}
+        if bad:
+            raise ValueError(f"LiLiCorr fields {bad} must be positive.")
 
 
 def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] | None) -> dict[str, Any]:

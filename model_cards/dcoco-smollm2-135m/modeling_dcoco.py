@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +32,22 @@ from transformers import initialization as init
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
 
-from .candidate_generator import DCOCOCandidateGenerator, DraftContextCache, TargetTap, decoder_layers
+from .candidate_generator import DCOCOCandidateGenerator, assisted_stopping_criteria
 from .configuration_dcoco import DCOCOConfig
+from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
+from .device import device_sync
+from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
+from .tap import TargetTap, decoder_layers
+from .tuning import Tuning, logger, untune
+from .tuning import tune as tune_for_device
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,6 +177,7 @@ class DCOCOGenerationConfig(GenerationConfig):
         generation_config.num_assistant_tokens = model_config.block_size - 1
         generation_config.num_assistant_tokens_schedule = "constant"
         generation_config.assistant_confidence_threshold = 0.0
+        generation_config.use_corrector = True  # False drafts plain DFlash argmax blocks (the bench's baseline)
         return generation_config
 
 
@@ -184,13 +199,16 @@ class DCOCOPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
             if module.bias is not None:
                 init.zeros_(module.bias)
+        if isinstance(module, LiLiCorrCorrector):  # its own parameters; the Linear layers got the default above
+            module.init_weights()
 
 
 class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     """DFlash backbone + DCOCO corrector. Build with `DCOCODrafter(config)`, `DCOCODrafter.from_target(target)` or
     `from_pretrained(folder)`; bind to its target with `attach(target)`; use as `assistant_model=drafter`."""
 
-    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+    # A DFlash export's draft vocabulary (`d2t` and its lm_head rows, see export.py) is read by `adopt_d2t` instead.
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"^d2t$", r"^t2d$", r"^lm_head\.weight$"]
 
     def __init__(self, config: DCOCOConfig) -> None:
         super().__init__(config)
@@ -205,10 +223,13 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList([DCOCODecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.corrector = DCOCOCorrector(
-            config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams,
-            bool(config.corpus_bigrams),
-        )
+        if config.corrector_type == "lilicorr":
+            self.corrector = LiLiCorrCorrector.from_config(config)
+        else:
+            self.corrector = DCOCOCorrector(
+                config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams,
+                bool(config.corpus_bigrams),
+            )
         # The pair counts the corrector reads with `corpus_bigrams`, saved with the weights (`set_corpus_bigrams`).
         pairs = config.corpus_bigrams
         self.corpus_bigrams = CorpusBigrams(config.vocab_size, pairs) if pairs else None
@@ -217,6 +238,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
         self._target_ref: weakref.ReferenceType | None = None
         self._tap: TargetTap | None = None
+        self._tuning: Tuning | None = None
+        self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
         self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
         self.post_init()
 
@@ -271,21 +294,48 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if init_from_target:
             _copy_matching(target.get_decoder().layers[-num_hidden_layers:], drafter.layers)
             _copy_matching(target.get_decoder().norm, drafter.norm)
-        return drafter.attach(target)
+        return drafter.attach(target, tune=False)  # an untrained drafter: tune once it is trained
 
-    def attach(self, target: PreTrainedModel) -> "DCOCODrafter":
-        """Bind the drafter to `target`: borrow its embedding and lm_head and tap its hidden states. Returns self."""
+    def attach(self, target: PreTrainedModel, tune: bool = True, **tune_options: Any) -> "DCOCODrafter":
+        """Bind the drafter to `target`: borrow its embedding and lm_head and tap its hidden states. Returns self.
+
+        With `tune` (the default), also make both fast on the device at hand and log one line saying how
+        (`dcoco_hf.tuning.tune`: on CPU the GQA-aware attention and the measured few-rows linear layouts, on every
+        device the block size of highest recorded tau per timed cycle; measured once per machine and model pair,
+        then read from a disk cache). `tune_options` go to `tune` (e.g. `block_size=4`, `batch_size=8`).
+        Plain `generate()` of the target stays bit-identical while attached; `detach()` undoes everything.
+        """
         check_compatible(self.config, target)
-        if self._tap is not None:
-            self._tap.remove()
+        self.detach()
         self._target_ref = weakref.ref(target)
         self._tap = TargetTap(target, self.config.target_layer_ids)
+        weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks behind
+        if tune:
+            self._tuning = tune_for_device(target, self, **tune_options)
+            logger.info(self._tuning.summary())
+        elif tune_options:
+            raise TypeError(f"attach(tune=False) takes no tuning options; got {sorted(tune_options)}.")
         return self
+
+    def detach(self) -> "DCOCODrafter":
+        """Undo `attach`: remove the hooks and restore the target's linear layers and attention. Returns self."""
+        target = self._target_ref() if self._target_ref is not None else None
+        if self._tap is not None:
+            self._tap.remove()
+        if self._tuning is not None and target is not None:
+            untune(target, self, self._tuning)
+        self._target_ref, self._tap, self._tuning, self._draft_head = None, None, None, None
+        return self
+
+    @property
+    def tuning(self) -> Tuning | None:
+        """What `attach` did to make target and drafter fast here (None with `tune=False`)."""
+        return self._tuning
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies and pickles carry weights, not the binding to a live target (re-attach the copy).
         state = super().__getstate__()
-        state.update(_target_ref=None, _tap=None, _last_engine=None, _draft_head=None)
+        state.update(_target_ref=None, _tap=None, _tuning=None, _running=None, _last_engine=None, _draft_head=None)
         return state
 
     @property
@@ -448,7 +498,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
         """
         cfg = self.config
-        sync = _device_sync(anchor_ids.device)
+        sync = device_sync(anchor_ids.device)
         start = time.perf_counter()
         mask_ids = anchor_ids.new_full((anchor_ids.shape[0], cfg.block_size - 1), cfg.mask_token_id)
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
@@ -466,7 +516,13 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
 
         start = time.perf_counter()
         scores = first_scores = None
-        if correct and (cfg.block_size > 2 or cfg.correct_first_slot):
+        if correct and cfg.corrector_type == "lilicorr":  # start and pair scores of the whole lattice, one pass
+            log_probs = candidate_logits - logits.logsumexp(-1, keepdim=True)  # [B, S, K]
+            first_scores, scores = self.lilicorr_scores(
+                slot_hidden, candidates, log_probs, *self.anchor_rows(context_hidden_states, position_ids)
+            )
+            chosen = select_candidates(selection or cfg.selection, scores, first_scores, cfg.geometric_lambda)
+        elif correct and (cfg.block_size > 2 or cfg.correct_first_slot):
             candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
             seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid)
             corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates)
@@ -481,10 +537,41 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
         tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
         sync()
+        corrector_seconds = time.perf_counter() - start if scores is not None or first_scores is not None else 0.0
         return DraftProposal(
-            tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds,
-            time.perf_counter() - start,
+            tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds, corrector_seconds
         )
+
+    def lilicorr_scores(
+        self,
+        slot_hidden: torch.Tensor,
+        candidates: torch.LongTensor,
+        candidate_log_probs: torch.Tensor,
+        anchor_hidden: torch.Tensor,
+        anchor_valid: torch.BoolTensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LiLiCorr head's (start [R, K], pair scores [R, S - 1, K, K]), as drafting and training both compute
+        them: slot_hidden [R, S, H], candidates / candidate_log_probs [R, S, K], anchor rows [R, H] / [R] from
+        `anchor_rows`."""
+        return self.corrector(slot_hidden, self.embed(candidates), candidate_log_probs, anchor_hidden, anchor_valid)
+
+    def anchor_rows(
+        self, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor
+    ) -> tuple[torch.Tensor, torch.BoolTensor]:
+        """The LiLiCorr anchor of each row: the fused target context (`hidden_norm(fc(.))`) of the position just
+        before the block, the newest committed row, as in the public head. context_hidden_states [B, N, n_layers * H],
+        position_ids [B, N + block] -> ([B, H], valid [B]); not valid (zero) where that row is not among the new
+        context rows (padding and rows past a row's accepted tokens have other positions)."""
+        n = context_hidden_states.shape[1]
+        batch = context_hidden_states.shape[0]
+        positions = position_ids.expand(batch, -1)
+        match = positions[:, :n] == positions[:, n:n + 1] - 1  # [B, N]
+        valid = match.any(1)  # [B]
+        last = n - 1 - match.flip(1).long().argmax(1) if n else torch.zeros_like(valid, dtype=torch.long)  # [B]
+        if n == 0:
+            return context_hidden_states.new_zeros(batch, self.config.hidden_size), valid
+        rows = context_hidden_states[torch.arange(batch, device=last.device), last]  # [B, n_layers * H]
+        return self.hidden_norm(self.fc(rows.to(self.fc.weight.dtype))), valid
 
     def first_slot_scores(
         self,
@@ -575,13 +662,58 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             )
         handle = kwargs.get("cache")
         if not isinstance(handle, _EngineHandle):
-            handle = _EngineHandle(DCOCOCandidateGenerator(self, generation_config=generation_config))
-            self._last_engine = handle.engine
+            handle = self._start_call(generation_config)
         max_new_tokens = kwargs.get("max_new_tokens") or self.config.block_size - 1
         candidate_ids, candidate_logits = handle.engine.get_candidates(input_ids, max_new_tokens=max_new_tokens)
         return GenerateDecoderOnlyOutput(
             sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), cache=handle
         )
+
+    def _start_call(self, generation_config: GenerationConfig) -> "_EngineHandle":
+        """The first cycle of a target `generate()` call: a new engine, living as long as the call does.
+
+        transformers drops our handle when the call returns or raises; the handle's finaliser then ends the engine,
+        so the tap stops recording the target right there. One drafter serves one call at a time: a call from a
+        second thread while one runs would mix their target states, so it is refused.
+        """
+        criteria = assisted_stopping_criteria()
+        if criteria is None and getattr(generation_config, "stop_strings", None):
+            raise ValueError(
+                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.24 (its stopping criteria "
+                "could not be found); drop stop_strings or cut the text after generate()."
+            )
+        handle = _EngineHandle()
+        self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
+        correct = getattr(self.generation_config, "use_corrector", True)
+        engine = handle.engine = DCOCOCandidateGenerator(
+            self, generation_config, correct=correct, stopping_criteria=criteria
+        )
+        weakref.finalize(handle, engine.end_call)
+        self._last_engine = engine
+        return handle
+
+    def _claim(self, call: "_Call") -> None:
+        """Make `call` (alive exactly as long as one generate() call) this drafter's call in progress."""
+        with _CLAIM_LOCK:
+            running = self._running() if self._running is not None else None
+            if running is not None and running.thread != call.thread:
+                raise RuntimeError(
+                    "this drafter is already generating in another thread: one drafter serves one generate() call at "
+                    "a time. Give each thread its own drafter (copy.deepcopy(drafter).attach(target, tune=False)) "
+                    "and target, or serialise the calls."
+                )
+            self._running = weakref.ref(call)
+
+    @contextmanager
+    def one_call(self) -> Iterator[None]:
+        """The duration of one generate() call of our own loop (`speculative_generate`); see `_claim`."""
+        call = _Call()
+        self._claim(call)
+        try:
+            yield
+        finally:
+            if self._running is not None and self._running() is call:
+                self._running = None
 
     def generation_stats(self, sequences: torch.LongTensor | None = None):
         """Statistics of the last `target.generate(..., assistant_model=self)` call.
@@ -605,6 +737,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         reproduces their argmax proposals exactly.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        # A public LiLiCorr folder names its head `lilicorr.*` (ours: `corrector.*`); other folders have no such keys.
+        kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
         try:
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
@@ -615,6 +749,10 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "or corrupt, e.g. by an interrupted download or save. Delete it, then download or save the checkpoint "
                 "again."
             ) from error
+        if "draft_token_ids" in info.get("missing_keys", ()):  # a DFlash export's draft vocabulary comes as `d2t`
+            from .export import adopt_d2t
+
+            info["missing_keys"] = adopt_d2t(model, args[0] if args else kwargs["pretrained_model_name_or_path"], info)
         missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
         if missing:
             raise ValueError(
@@ -625,18 +763,53 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         mismatched = info.get("mismatched_keys") or []
         if mismatched:
             raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
+        if is_public_folder(model.config):
+            model._adopt_public_lilicorr(info.get("missing_keys", ()))
         return (model, info) if want_info else model
 
+    def _adopt_public_lilicorr(self, missing_keys: Any) -> None:
+        """After loading a public LiLiCorr folder: its head must be complete (a partly fresh head would score a
+        believable but wrong function), and its scores are logit_scale * cos, i.e. our score gate at 1."""
+        head = sorted(k for k in missing_keys if k.startswith("corrector.") and k != "corrector.score_gate")
+        if head:
+            raise ValueError(
+                f"This LiLiCorr checkpoint lacks {len(head)} head tensor(s), e.g. {head[:4]} (named lilicorr.* in the "
+                "file): check lilicorr_hidden_size, lilicorr_num_layers and lilicorr_factor_dim in its dflash_config."
+            )
+        with torch.no_grad():
+            self.corrector.score_gate.fill_(1.0)
+        self.config.architectures = [type(self).__name__]  # from now on it is one of ours (saved as corrector.*)
 
-class _EngineHandle:
-    """What transformers' AssistedCandidateGenerator stores as our `cache` between cycles.
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, format: str = "dcoco", **kwargs: Any):
+        """`PreTrainedModel.save_pretrained`; `format="lilicorr"` writes the public LiLiCorr format instead
+        (`LiLiCorrDraftModel`, `dflash_config.lilicorr_*`, weights `lilicorr.*` next to the DFlash backbone, the score
+        gate folded into `lilicorr_logit_scale`, no draft vocabulary), which the public servers load."""
+        if format == "lilicorr":
+            return save_public(self, save_directory)
+        if format != "dcoco":
+            raise ValueError(f"format={format!r} is unknown: use 'dcoco' (ours, the default) or 'lilicorr' (public).")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+_CLAIM_LOCK = threading.Lock()
+
+
+class _Call:
+    """Alive exactly as long as one generate() call, in the thread that runs it."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+
+class _EngineHandle(_Call):
+    """What transformers' AssistedCandidateGenerator stores as our `cache` between cycles: it lives exactly as long
+    as one target `generate()` call.
 
     It only asks a cache for its length and to crop it; the engine re-synchronises from token ids itself, so both
     are no-ops here.
     """
 
-    def __init__(self, engine: DCOCOCandidateGenerator) -> None:
-        self.engine = engine
+    engine: DCOCOCandidateGenerator
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -707,12 +880,6 @@ def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
             f"mask_token_id={config.mask_token_id} is not a token of the target's {vocab}-row embedding table; set "
             "config.mask_token_id to the id the drafter was trained with."
         )
-
-
-def _device_sync(device: torch.device):
-    if device.type == "cuda":
-        return torch.cuda.synchronize
-    return lambda: None
 
 
 __all__ = ["DCOCODrafter", "DCOCOPreTrainedModel", "DraftProposal", "spread_layer_ids"]

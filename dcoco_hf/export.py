@@ -1,0 +1,250 @@
+"""Export a drafter's DFlash backbone in the public z-lab DFlash format, for engines that serve plain DFlash.
+
+vLLM (`speculative_config={"method": "dflash", ...}`) and SGLang (`--speculative-algorithm DFLASH`) load drafters
+written as: config.json with `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, `block_size` and
+`dflash_config: {target_layer_ids, mask_token_id}`; model.safetensors with `fc`, `hidden_norm`, `layers.N.*`, `norm`
+and no embedding or lm_head (both borrowed from the target). Neither engine runs the DCOCO corrector, and an unknown
+tensor (e.g. `corrector.*`) makes vLLM refuse the folder, so the export drops the corrector and says so in its card.
+
+A draft vocabulary (FR-Spec style, `config.draft_vocab_size`) is written the EAGLE-3 way vLLM's DFlash loader reads:
+`draft_vocab_size` in the config, `d2t[i] = target_id(i) - i` (vLLM maps draft column i to target token i + d2t[i]),
+and an `lm_head.weight` of the draft vocabulary's rows of the target's lm_head, because vLLM shares the target's
+lm_head only when the checkpoint has none, and that full head does not fit a draft-sized vocabulary. That needs the
+target, so the full vocabulary (no `d2t`, no `lm_head`) is the default.
+
+    dcoco-hf export --format dflash OUT [--drafter FOLDER] [--block-size B] [--draft-vocab --target T]
+    export_dflash(drafter, "OUT")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.utils import cached_file
+
+from .block_choice import check_block_size
+from .modeling_dcoco import DCOCODrafter, check_compatible
+
+FORMATS = ("dflash",)
+BACKBONE_KEY = re.compile(r"^(fc\.weight|hidden_norm\.weight|norm\.weight|layers\.\d+\.[\w.]+)$")
+# Saved with a DCOCO drafter but not part of the DFlash backbone: dropped by the export (and named in its card).
+DROPPED_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
+# Config fields that only our engine reads (the corrector and our drafting extensions).
+DCOCO_ONLY_FIELDS = ("top_k", "corrector_rank", "corrector_hidden", "selection", "geometric_lambda",
+                     "correct_first_slot", "context_bigrams", "corpus_bigrams", "block_tau", "max_block_size")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dflash(
+    drafter: DCOCODrafter,
+    out_dir: str | Path,
+    block_size: int | None = None,
+    draft_vocab: bool = False,
+    dtype: torch.dtype | None = None,
+    source: str | None = None,
+) -> Path:
+    """Write `drafter`'s backbone to `out_dir` in the public DFlash format; returns the folder.
+
+    Args:
+        drafter: a DCOCO (or DFlash-loaded) drafter; attached to its target only with `draft_vocab=True` (the
+            target's lm_head rows are written then) or to have the target's shape checked.
+        block_size: the block the engines draft (`num_speculative_tokens` = block_size - 1); default the drafter's
+            own `config.block_size`. At most the largest block it was trained on.
+        draft_vocab: write the drafter's draft vocabulary as `d2t` + `lm_head.weight` (needs an attached target);
+            False writes the full vocabulary: engines then propose from every token.
+        dtype: weight dtype of the export (default: the drafter's).
+        source: where the drafter came from, named in the card.
+    """
+    tensors = backbone_tensors(drafter, dtype)
+    config = dflash_config(drafter, block_size)
+    if draft_vocab:
+        tensors.update(draft_vocab_tensors(drafter, dtype))
+        config["draft_vocab_size"] = int(drafter.draft_token_ids.numel())
+    elif drafter._target_ref is not None and drafter._target_ref() is not None:
+        check_compatible(drafter.config, drafter.target)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "README.md").write_text(dflash_card(drafter, config, sorted(tensors), source))
+    return out
+
+
+def backbone_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The DFlash tensors of `drafter` (fc, hidden_norm, layers.*, norm), detached CPU copies."""
+    if hasattr(drafter, "peft_config"):
+        raise ValueError("This drafter is wrapped by PEFT: merge the adapters first (`drafter.merge_and_unload()`), "
+                         "then export the merged drafter.")
+    state = drafter.state_dict()
+    unknown = sorted(k for k in state if not BACKBONE_KEY.match(k) and not k.startswith(DROPPED_PREFIXES))
+    if unknown:
+        raise ValueError(f"Cannot express {unknown[:4]} in the DFlash format (it holds fc, hidden_norm, layers.* and "
+                         "norm only); export a plain DCOCODrafter.")
+    dtype = dtype or drafter.fc.weight.dtype
+    return {k: v.detach().to("cpu", dtype) for k, v in state.items() if BACKBONE_KEY.match(k)}
+
+
+def draft_vocab_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """`d2t` (target id - draft id per draft column) and `lm_head.weight` (the target lm_head's draft rows)."""
+    ids = drafter.draft_token_ids
+    if ids is None:
+        raise ValueError("draft_vocab=True, but this drafter proposes from the whole vocabulary (no draft vocabulary): "
+                         "export without it, or set one first with drafter.set_draft_vocabulary(token_ids).")
+    if drafter._target_ref is None or drafter._target_ref() is None:
+        raise ValueError("Writing a draft vocabulary needs the target: engines read its lm_head rows from the export. "
+                         "Attach the drafter to its target first (`drafter.attach(target)`, CLI: --target), or export "
+                         "the full vocabulary.")
+    check_compatible(drafter.config, drafter.target)
+    weight, bias = drafter._draft_lm_head()
+    if bias is not None:
+        raise ValueError("The target's lm_head has a bias, which the DFlash format cannot carry; export the full "
+                         "vocabulary instead.")
+    ids = ids.detach().cpu()
+    return {"d2t": ids - torch.arange(ids.numel()),
+            "lm_head.weight": weight.detach().to("cpu", dtype or drafter.fc.weight.dtype)}
+
+
+def adopt_d2t(drafter: DCOCODrafter, source: str | Path, info: dict) -> list[str]:
+    """`DCOCODrafter.from_pretrained` of a DFlash folder whose config names a draft vocabulary: set it from the
+    folder's `d2t` (draft id i proposes target token i + d2t[i]). Returns the keys still missing."""
+    missing = [k for k in info["missing_keys"] if k != "draft_token_ids"]
+    path = cached_file(str(source), "model.safetensors")
+    with safe_open(path, "pt") as file:
+        if "d2t" not in file.keys():
+            return list(info["missing_keys"])  # neither our buffer nor d2t: the caller's error names it
+        d2t = file.get_tensor("d2t").long()
+    drafter.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t)
+    return missing
+
+
+def dflash_config(drafter: DCOCODrafter, block_size: int | None = None) -> dict:
+    """config.json of the export: the Qwen3 backbone fields, `block_size` and `dflash_config`."""
+    cfg = drafter.config
+    if cfg.mask_token_id is None:
+        raise ValueError("config.mask_token_id is None: DFlash engines fill the mask slots with that token's "
+                         "embedding. Set it to the id the drafter was trained with.")
+    block_size = cfg.block_size if block_size is None else block_size
+    check_block_size(drafter, block_size)
+    rope = dict(cfg.rope_parameters)
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": rope["rope_theta"], "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+        "attention_bias": cfg.attention_bias, "attention_dropout": cfg.attention_dropout,
+        "tie_word_embeddings": False, "layer_types": list(cfg.layer_types),
+        "num_target_layers": cfg.num_target_layers, "block_size": block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "torch_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+    }
+    if rope.get("rope_type", "default") != "default":  # older engines read scaled RoPE from `rope_scaling`
+        config["rope_scaling"] = rope
+    return config
+
+
+def dflash_card(drafter: DCOCODrafter, config: dict, tensor_names: list[str], source: str | None) -> str:
+    """README.md of the export: what it is, what was dropped, how vLLM and SGLang serve it."""
+    cfg, block = drafter.config, config["block_size"]
+    dropped = sorted(k for k in drafter.state_dict() if k.startswith(DROPPED_PREFIXES))
+    corrector = sum(k.startswith("corrector.") for k in dropped)
+    vocab = (f"a draft vocabulary of {config['draft_vocab_size']} tokens (`d2t` + its rows of the target's lm_head)"
+             if "draft_vocab_size" in config else "the target's full vocabulary (no draft vocabulary)")
+    fields = ", ".join(f"`{name}`" for name in DCOCO_ONLY_FIELDS)
+    return f"""---
+tags:
+- dflash
+- speculative-decoding
+---
+
+# DFlash drafter (backbone exported by dcoco-hf)
+
+{f"Exported from `{source}`. " if source else ""}The DFlash backbone of a DCOCO drafter in the public z-lab DFlash
+format: {cfg.num_hidden_layers} Qwen3-style layers of width {cfg.hidden_size}, reading target layers
+{list(cfg.target_layer_ids)} (0-based decoder layers; their outputs), blocks of {block} (the anchor and {block - 1}
+drafted tokens), mask token {cfg.mask_token_id}, proposing from {vocab}. {len(tensor_names)} tensors; the drafter
+borrows the target's embedding and lm_head{" (the draft rows of the lm_head are included)" if "draft_vocab_size" in
+config else ""}.
+
+## What was dropped
+
+- The DCOCO corrector ({corrector} `corrector.*` tensors{", and the corpus pair counts it reads" if cfg.corpus_bigrams
+  else ""}): vLLM and SGLang serve plain DFlash proposals (the drafter's argmax per slot), so they get DFlash's tau,
+  not DCOCO's. The corrector runs only in dcoco-hf (`assistant_model=drafter` in `generate()`,
+  `speculative_generate`), from the original DCOCO folder.
+- Our config fields {fields}{"" if "draft_vocab_size" in config else
+  ", and the draft vocabulary (`draft_token_ids`), since no target was given to write its lm_head rows"}.
+
+## Serve it
+
+vLLM:
+
+```bash
+vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
+```
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \\
+    --speculative-draft-model-path PATH_TO_THIS_FOLDER --speculative-num-draft-tokens {block}
+```
+
+TARGET is the model the drafter was trained for ({cfg.num_target_layers} decoder layers, hidden size
+{cfg.hidden_size}, vocabulary {cfg.vocab_size}). In Python, `DCOCODrafter.from_pretrained(PATH_TO_THIS_FOLDER)`
+loads it with a zero (pass-through) corrector, and `scripts/train_drafter.py --stage 2 --init PATH_TO_THIS_FOLDER
+--corrector-only ...` trains a DCOCO corrector on top of it.
+"""
+
+
+def add_export_parser(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Register `dcoco-hf export` on the CLI's subcommands."""
+    export = commands.add_parser(
+        "export", parents=[common],
+        help="write the drafter's backbone in another format (dflash: the z-lab format vLLM and SGLang serve)",
+        description="Writes the drafter's DFlash backbone in the public z-lab DFlash format (config.json, "
+        "model.safetensors, README.md). The DCOCO corrector is dropped: vLLM and SGLang serve plain DFlash only.",
+    )
+    export.add_argument("out", help="output folder")
+    export.add_argument("--format", choices=FORMATS, default="dflash", help="export format (default dflash)")
+    export.add_argument("--block-size", type=int, default=None,
+                        help="block size the engines draft (default: the drafter's config block_size)")
+    export.add_argument("--draft-vocab", action="store_true",
+                        help="write the drafter's draft vocabulary (d2t + its lm_head rows; loads the target) "
+                        "instead of the full vocabulary")
+    export.add_argument("--export-dtype", choices=sorted(DTYPES), default=None,
+                        help="weight dtype of the export (default: the drafter's)")
+    export.set_defaults(handler=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .cli import (  # the CLI imports this module
+        CLIError,
+        default_drafter_path,
+        load_target,
+    )
+
+    source = args.drafter or str(default_drafter_path())
+    try:
+        drafter = DCOCODrafter.from_pretrained(source)
+    except (OSError, ValueError) as error:  # not found / not a complete drafter checkpoint
+        raise CLIError(f"could not load the drafter {source!r}: {error}", exit_code=1) from None
+    try:
+        if args.draft_vocab:  # the export carries the target lm_head's draft rows
+            drafter.attach(load_target(args.target, torch.device("cpu"), torch.float32, "sdpa")[0])
+        out = export_dflash(drafter, args.out, block_size=args.block_size, draft_vocab=args.draft_vocab,
+                            dtype=DTYPES.get(args.export_dtype), source=source)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    print(f"wrote the DFlash backbone of {source} to {out} (corrector dropped; see {out / 'README.md'})")
+    return 0
+
+
+__all__ = ["export_dflash", "add_export_parser"]

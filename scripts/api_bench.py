@@ -1,0 +1,116 @@
+"""The speed a Transformers user gets: `from_pretrained`, `attach`, `generate`, and nothing else.
+
+    python scripts/api_bench.py                                   # 16 held-out chat + code prompts (mixed-heldout)
+    python scripts/api_bench.py --suite humaneval --limit 20 --json docs/api_bench_humaneval.json
+
+The target and the drafter load with `from_pretrained` (the drafter through `AutoModel` with remote code, as from
+the Hub), `drafter.attach(target)` tunes both for this machine, and every run is a plain `target.generate()` call,
+with or without `assistant_model=drafter`. For each prompt the two run back to back, in an order alternated per
+prompt, so slow spells of a noisy machine slow both alike. Printed: tau (tokens committed per target forward, from
+`drafter.generation_stats`), the speedup as the ratio of tokens per second, the corrector's share of the
+speculative runs' time, and how many outputs are identical to plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from dcoco_hf.assets import default_target_path, load_prompts_file, suite_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"
+DEFAULT_PROMPTS = ROOT / "scripts" / "prompts" / "mixed-heldout.jsonl"
+
+
+def load_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = suite_prompts(args.suite) if args.suite else load_prompts_file(args.prompts)
+    return prompts[args.skip : None if args.limit is None else args.skip + args.limit]
+
+
+def timed_generate(target, inputs, **kwargs) -> tuple[torch.LongTensor, float]:
+    start = time.perf_counter()
+    out = target.generate(**inputs, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter folder or Hub id")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help='jsonl file, one {"prompt": ...} per line')
+    parser.add_argument("--suite", default=None, choices=("humaneval", "mtbench"), help="a suite instead of --prompts")
+    parser.add_argument("--skip", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", default=None, help="write per-prompt records and the totals here")
+    args = parser.parse_args(argv)
+
+    target_path = args.target or default_target_path()
+    target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True).attach(target)
+
+    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    records = []
+    prompts = load_prompts(args)
+    with torch.no_grad():
+        for index, prompt in enumerate(["Say hi.", *prompts]):  # the first one only warms both paths up
+            inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=True)
+            runs = {}
+            for method in (("plain", "drafter") if index % 2 else ("drafter", "plain")):
+                extra = {"assistant_model": drafter} if method == "drafter" else {}
+                runs[method] = timed_generate(target, inputs, **settings, **extra)
+                if method == "drafter":
+                    stats = drafter.generation_stats(runs[method][0])
+            if index == 0:
+                continue
+            (plain, plain_s), (fast, fast_s) = runs["plain"], runs["drafter"]
+            new = plain.shape[1] - inputs["input_ids"].shape[1]
+            fast_new = fast.shape[1] - inputs["input_ids"].shape[1]
+            records.append({
+                "prompt": prompt, "plain_tokens": new, "plain_seconds": plain_s, "drafter_tokens": fast_new,
+                "drafter_seconds": fast_s, "target_forwards": stats.target_forwards,
+                "corrector_seconds": stats.corrector_seconds, "identical": torch.equal(plain, fast),
+            })
+            print(f"[{index}/{len(prompts)}] tau {fast_new / stats.target_forwards:.2f}, plain {plain_s:.2f} s, "
+                  f"drafter {fast_s:.2f} s, identical {records[-1]['identical']}", file=sys.stderr, flush=True)
+
+    totals = summarise(records)
+    print(f"{len(records)} prompts, {args.max_new_tokens} new tokens max, target {target_path}, drafter "
+          f"{args.drafter}\n{drafter.tuning.summary() if drafter.tuning else 'untuned'}")
+    print(f"tau {totals['tau']:.2f} | speedup {totals['speedup']:.2f}x (tokens/s, same run) | plain "
+          f"{totals['plain_tokens_per_s']:.1f} tok/s, drafter {totals['drafter_tokens_per_s']:.1f} tok/s | "
+          f"corrector share {100 * totals['corrector_share']:.1f}% | identical {totals['identical']}/{len(records)}")
+    if args.json:
+        report = {"command_line": ["python", "scripts/api_bench.py", *(argv if argv is not None else sys.argv[1:])],
+                  "tuning": drafter.tuning.summary() if drafter.tuning else None, "totals": totals,
+                  "records": records}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return totals
+
+
+def summarise(records: list[dict]) -> dict:
+    plain_rate = sum(r["plain_tokens"] for r in records) / sum(r["plain_seconds"] for r in records)
+    drafter_tokens = sum(r["drafter_tokens"] for r in records)
+    drafter_seconds = sum(r["drafter_seconds"] for r in records)
+    return {
+        "tau": drafter_tokens / sum(r["target_forwards"] for r in records),
+        "speedup": drafter_tokens / drafter_seconds / plain_rate,
+        "plain_tokens_per_s": plain_rate,
+        "drafter_tokens_per_s": drafter_tokens / drafter_seconds,
+        "corrector_share": sum(r["corrector_seconds"] for r in records) / drafter_seconds,
+        "identical": sum(r["identical"] for r in records),
+    }
+
+
+if __name__ == "__main__":
+    main()

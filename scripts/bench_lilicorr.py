@@ -1,0 +1,119 @@
+r"""DFlash, DCOCO and LiLiCorr side by side: one run, the same prompts, every method interleaved per prompt.
+
+`dcoco-hf bench` loads one drafter; this loads two that share their DFlash backbone (the DCOCO drafter and a LiLiCorr
+drafter trained on its frozen backbone) and runs, for each prompt, in an order rotated per prompt:
+
+* vanilla:   plain greedy `target.generate()`;
+* dflash@B:  the DCOCO drafter with its corrector off (plain DFlash argmax blocks, our engine);
+* dcoco@B:   the DCOCO drafter;
+* lilicorr@B: the LiLiCorr drafter,
+
+all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanilla on the same prompts), the head's
+share of the time and equality with plain greedy are measured exactly as `dcoco-hf bench` measures them.
+
+    python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 20 --max-new-tokens 96 \
+        --json docs/bench_lilicorr.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dcoco_hf.bench import (
+    BenchSettings,
+    MethodRunner,
+    _compare_with_vanilla,
+    build_report,
+    encode_prompt,
+    format_table,
+    rotated,
+)
+from dcoco_hf.block_choice import set_block_size
+from dcoco_hf.cli import add_prompt_arguments, collect_prompts, load_drafter, load_target
+from dcoco_hf.cpu_linear import use_few_rows_linear
+
+ROOT = Path(__file__).resolve().parents[1]
+# The few-rows layouts `attach` measured for SmolLM2-135M on the 2-core AMD EPYC machine of docs/lilicorr.md.
+TARGET_LAYOUT = {2: "transposed", 3: "transposed", 4: "packed", 5: "packed", 6: "transposed"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_prompt_arguments(p)
+    p.add_argument("--dcoco-drafter", default=str(ROOT / "model_cards" / "dcoco-smollm2-135m"))
+    p.add_argument("--lilicorr-drafter", default=str(ROOT / "model_cards" / "lilicorr-smollm2-135m"))
+    p.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--block-size", type=int, default=4, help="the block every drafter method drafts (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--plain-linear", action="store_true", help="keep torch's F.linear for few-row forwards")
+    p.add_argument("--json", default=None, help="write the report (summaries, configuration, every call) here")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    prompts = collect_prompts(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer, target_name = load_target(args.target, device, torch.float32, "sdpa")  # fp32: token-exact
+    dcoco = load_drafter(args.dcoco_drafter, target.device, target.dtype, "sdpa")
+    lilicorr = load_drafter(args.lilicorr_drafter, target.device, target.dtype, "sdpa")
+    if lilicorr.config.corrector_type != "lilicorr":
+        raise SystemExit(f"--lilicorr-drafter {args.lilicorr_drafter}: its corrector_type is "
+                         f"{lilicorr.config.corrector_type!r}, not 'lilicorr'")
+    # The CLI's CPU speed-ups, with the layouts it measured on this machine (`~/.cache/dcoco-hf/tuning`) given
+    # explicitly: measuring them again under a loaded machine takes minutes and could differ between two drafters.
+    for drafter in (dcoco, lilicorr):
+        drafter.attach(target, tune=False)
+        set_block_size(drafter, args.block_size)
+    if device.type == "cpu":
+        target.set_attn_implementation("sdpa_cpu_gqa")
+        if not args.plain_linear:
+            use_few_rows_linear(target, max_rows=6, layout=TARGET_LAYOUT)
+            for drafter in (dcoco, lilicorr):
+                use_few_rows_linear(drafter, max_rows=6, layout="transposed")
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, warmup=args.warmup)
+    b = args.block_size
+    # (label, runner, the runner's method) per method; labels are what the report calls them.
+    runners = {"dcoco": MethodRunner(target, dcoco, settings), "lilicorr": MethodRunner(target, lilicorr, settings)}
+    plan = [("vanilla", "dcoco", "vanilla"), (f"dflash@{b}", "dcoco", f"dflash@{b}"),
+            (f"dcoco@{b}", "dcoco", f"dcoco@{b}"), (f"lilicorr@{b}", "lilicorr", f"dcoco@{b}")]
+    labels = [label for label, _, _ in plan]
+    encoded = [encode_prompt(tokenizer, item.text).to(target.device) for item in prompts]
+    records = []
+    try:
+        for _, runner, method in plan[: len(plan) * args.warmup]:  # untimed: lazy initialisation, allocator growth
+            runners[runner].run(method, prompts[0].suite, prompts[0].index, encoded[0])
+        for position, (item, input_ids) in enumerate(zip(prompts, encoded)):
+            row = []
+            for label, runner, method in rotated(plan, position):
+                record = runners[runner].run(method, item.suite, item.index, input_ids)
+                record.method = label
+                row.append(record)
+            _compare_with_vanilla(row, settings.greedy)
+            records += sorted(row, key=lambda r: labels.index(r.method))
+            timings = ", ".join(f"{r.method} {r.seconds:.1f}s" for r in records[-len(plan):])
+            print(f"[{time.strftime('%H:%M:%S')}] prompt {position + 1}/{len(prompts)} ({item.suite} #{item.index}): "
+                  f"{timings}", file=sys.stderr, flush=True)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    config = {"command": " ".join(sys.argv), "few_rows_linear": not args.plain_linear, "target": target_name, "dcoco_drafter": args.dcoco_drafter,
+              "lilicorr_drafter": args.lilicorr_drafter, "block_size": b, "max_new_tokens": args.max_new_tokens,
+              "prompts": len(prompts), "skip": args.skip, "limit": args.limit}
+    report = build_report(records, labels, config)
+    for suite, summaries in report["suites"].items():
+        print(format_table(summaries, f"{suite} ({summaries['vanilla']['prompts']} prompts)"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""attach() leaves target and drafter fast on the device at hand, plain decoding of the target untouched; detach()
+undoes it exactly; the measurements are cached on disk for the next process (issue: fast by default)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_target
+
+from dcoco_hf import DCOCODrafter, FewRowsLinear
+from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
+
+TESTS = Path(__file__).resolve().parent
+BLOCK_TAU = {"2": 1.4, "3": 1.7, "4": 1.9}
+
+
+def _drafter(target, **config) -> DCOCODrafter:
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, block_size=4, top_k=4, **{"block_tau": BLOCK_TAU, **config}).eval()
+    return drafter.detach()
+
+
+def _few_rows(model) -> int:
+    return sum(type(m) is FewRowsLinear for m in model.modules())
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _one_token_step(target, ids):
+    """Logits of a prefill, then of one plain 1-token decoding step on its cache (what plain generate() runs)."""
+    with torch.no_grad():
+        out = target(input_ids=ids[:, :-1], use_cache=True)
+        step = target(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+    return step.logits
+
+
+def _plain_generate(target, ids):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True)
+
+
+def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    drafter = _drafter(target).attach(target)
+    tuning = drafter.tuning
+    assert target.config._attn_implementation == CPU_GQA_ATTENTION  # GQA-aware masked attention
+    assert _few_rows(target) and _few_rows(drafter)  # measured few-rows layouts for both
+    assert tuning.target_layout and tuning.drafter_layout
+    assert tuning.block_choice is not None and drafter.config.block_size == tuning.block_choice.block_size
+    assert set(tuning.block_choice.tau) == {2, 3, 4}
+    assert tuning.cache_file is not None and tuning.cache_file.parent == tmp_path
+    assert tuning.cache_file.is_file() and not tuning.from_cache
+    lines = [record.getMessage() for record in caplog.records if record.name == "dcoco_hf"]
+    assert len(lines) == 1, lines
+    assert "block size" in lines[0] and "few-rows" in lines[0] and str(tuning.cache_file) in lines[0]
+
+
+def test_tune_false_changes_nothing():
+    target = make_target("qwen3")
+    drafter = _drafter(target).attach(target, tune=False)
+    assert drafter.tuning is None and not _few_rows(target) and not _few_rows(drafter)
+    assert target.config._attn_implementation == "sdpa" and drafter.config.block_size == 4
+    with pytest.raises(TypeError, match="no tuning options"):
+        drafter.attach(target, tune=False, block_size=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_plain_decoding_is_bit_identical_while_attached_and_after_detach(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target(arch)
+    ids = torch.randint(0, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    step_before, plain_before = _one_token_step(target, ids), _plain_generate(target, ids[:, :8])
+    hooks_before = _hooks(target)
+
+    drafter = _drafter(target).attach(target)
+    assert _few_rows(target)
+    assert torch.equal(_one_token_step(target, ids), step_before)  # a plain 1-token step stays bit-identical
+    drafter.detach()
+
+    assert not _few_rows(target) and _hooks(target) == hooks_before
+    assert target.config._attn_implementation == "sdpa"
+    plain_after = _plain_generate(target, ids[:, :8])
+    assert torch.equal(plain_after.sequences, plain_before.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(plain_after.scores, plain_before.scores))
+    assert torch.equal(_one_token_step(target, ids), step_before)
+
+
+def test_detach_then_reattach_and_copies():
+    target = make_target("llama")
+    drafter = _drafter(target).attach(target)
+    clone = copy.deepcopy(drafter)  # copies carry weights, not the binding
+    assert clone.tuning is None
+    drafter.detach()
+    with pytest.raises(RuntimeError, match="not attached"):
+        drafter.target  # noqa: B018
+    drafter.attach(target, tune=False)
+    assert drafter.target is target
+
+
+_SECOND_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from dcoco_hf import block_choice
+    from conftest import make_target
+    from dcoco_hf import DCOCODrafter
+
+    timed = []
+    original = block_choice.time_cycles
+    block_choice.time_cycles = lambda *a, **k: timed.append(1) or original(*a, **k)
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, block_size=4, top_k=4, block_tau={tau!r}).eval().detach()
+    drafter.attach(target)
+    print(json.dumps({{"from_cache": drafter.tuning.from_cache, "timed": len(timed),
+                      "block": drafter.config.block_size, "file": str(drafter.tuning.cache_file)}}))
+    """
+)
+
+
+def test_a_second_process_reuses_the_cached_block_choice(tmp_path):
+    script = _SECOND_PROCESS.format(tests=str(TESTS), tau=BLOCK_TAU)
+    env = {**os.environ, "DCOCO_HF_TUNING_DIR": str(tmp_path)}
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert not first["from_cache"] and first["timed"] == 1
+    assert second["from_cache"] and second["timed"] == 0  # no timing at all in the second process
+    assert second["block"] == first["block"] and second["file"] == first["file"]
+
+
+def test_a_changed_drafter_is_measured_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    again = _drafter(target).attach(target).tuning
+    other = _drafter(target, block_tau={"2": 1.5, "3": 1.6, "4": 1.7}).attach(target).tuning
+    assert again.from_cache and again.cache_file == first.cache_file
+    assert not other.from_cache and other.cache_file != first.cache_file
+
+
+def test_an_unreadable_cache_file_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    first.cache_file.write_text("{torn")
+    again = _drafter(target).attach(target).tuning
+    assert not again.from_cache and json.loads(again.cache_file.read_text())["block_choice"] is not None
+
+
+def test_refresh_measures_again_and_overwrites(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    stamp = first.cache_file.stat().st_mtime_ns
+    again = _drafter(target).attach(target, refresh=True).tuning
+    assert not again.from_cache and again.cache_file == first.cache_file
+    assert again.cache_file.stat().st_mtime_ns > stamp

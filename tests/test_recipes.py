@@ -1,0 +1,73 @@
+"""recipes/*.yaml: every file parses into valid `scripts/train_drafter.py` arguments (no training), command-line
+flags override a recipe, and a bad recipe is a one-line error naming the key."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_drafter", REPO / "scripts" / "train_drafter.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipes_exist_for_every_stage_of_the_shipped_chain():
+    names = {path.stem for path in RECIPES if path.parent.name == "smollm2"}
+    stages = {"stage1"} | {f"stage2{s}" for s in "abcdefghilmno"}
+    assert stages | {"corrector-on-dflash"} <= names, stages - names
+    assert (REPO / "recipes" / "qwen3-8b" / "corrector-on-dflash.yaml").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_every_recipe_parses_into_valid_arguments(script, recipe):
+    args = script.parse_args(["--recipe", str(recipe)])
+    assert args.stage in (1, 2) and args.data and args.output
+    assert (args.init is None) == (args.stage == 1)
+    for token in script.recipe_argv(script.build_parser(), recipe):  # every key is one of the script's options
+        assert not token.startswith("--") or token[2:] in {a.option_strings[-1][2:] for a in script.build_parser()._actions}
+
+
+def test_command_line_flags_override_the_recipe(script):
+    recipe = REPO / "recipes" / "smollm2" / "stage2o.yaml"
+    base = script.parse_args(["--recipe", str(recipe)])
+    assert (base.max_steps, base.lr, base.block_sizes, base.corpus_bigrams) == (300, 1e-3, [4], True)
+    assert [p.name for p in base.data].count("smollm2-self-answers") == 4  # a folder listed n times is read n times
+    args = script.parse_args(["--max-steps", "7", "--recipe", str(recipe), "--data", "d1", "--block-sizes", "3", "5"])
+    assert (args.max_steps, args.block_sizes, [str(p) for p in args.data]) == (7, [3, 5], ["d1"])
+    assert args.lr == 1e-3 and args.init == "runs/stage2n/final"  # what the command line leaves alone
+
+
+def test_stage_2c_recipe_sets_the_drafted_block_without_editing_config_files(script):
+    args = script.parse_args(["--recipe", str(REPO / "recipes" / "smollm2" / "stage2c.yaml")])
+    assert args.draft_block_size == 4 and args.init == "runs/ship"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [("stage: 2\nmax_stepz: 3\n", "unknown option(s) ['max_stepz']"),
+     ("stage: 2\ncorrector-only: yes please\n", "corrector-only is a switch"),
+     ("- stage\n", "expected `option: value` lines"),
+     ("stage: [2\n", "cannot read it as YAML")],
+    ids=["unknown-key", "switch-value", "not-a-mapping", "bad-yaml"],
+)
+def test_bad_recipes_are_clear_errors(script, tmp_path, capsys, text, message):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(["--recipe", str(recipe), "--data", "d", "--output", "o"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_draft_block_size_needs_init(script, capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--stage", "1", "--data", "d", "--output", "o", "--draft-block-size", "4"])
+    assert "--draft-block-size sets the drafted block of an existing drafter" in capsys.readouterr().err
