@@ -28,7 +28,7 @@ from .tuning import Tuning, tune, untune
 DCOCOConfig.register_for_auto_class("AutoConfig")
 DCOCODrafter.register_for_auto_class("AutoModel")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BlockSizeChoice",

@@ -58,7 +58,7 @@ DRAFTER_METHODS = frozenset({"dflash", "dflash-hf", "dcoco", "dcoco-paper", "dco
 DCOCO_WALKS: dict[str, dict[str, Any]] = {
     "dflash": {},
     "dcoco": {},
-    "dcoco-paper": {"selection": "greedy", "correct_first_slot": False},
+    "dcoco-paper": {"selection": "prefix_first", "correct_first_slot": False},
     "dcoco-viterbi": {"selection": "viterbi"},
     "dcoco-geometric": {"selection": "geometric"},
 }
@@ -251,17 +251,24 @@ class BenchSettings:
 
 
 @contextmanager
-def _corrector_on(drafter: DCOCODrafter | None, on: bool) -> Iterator[None]:
-    """Draft with the corrector on or off (plain DFlash argmax blocks) for the duration of one call."""
+def _generation_fields(drafter: DCOCODrafter | None, **fields: Any) -> Iterator[None]:
+    """Set drafter generation-config `fields` for the duration of one call (`use_corrector`: off drafts plain DFlash
+    argmax blocks; `time_phases`: exact drafter / corrector / target times on a GPU, at one device sync per phase)."""
     if drafter is None:
         yield
         return
-    saved = getattr(drafter.generation_config, "use_corrector", True)
-    drafter.generation_config.use_corrector = on
+    config = drafter.generation_config
+    saved = {name: config.__dict__[name] for name in fields if name in config.__dict__}
+    for name, value in fields.items():
+        setattr(config, name, value)
     try:
         yield
     finally:
-        drafter.generation_config.use_corrector = saved
+        for name in fields:  # back to the value it had, or to no value at all (the drafter's default)
+            if name in saved:
+                setattr(config, name, saved[name])
+            else:
+                delattr(config, name)
 
 
 @contextmanager
@@ -349,7 +356,7 @@ class MethodRunner:
             block_size_for_call(self.drafter, block_size),
             self.trace.record() as trace,
             _config_fields(self.drafter, DCOCO_WALKS.get(base, {})),
-            _corrector_on(self.drafter, base != "dflash"),
+            _generation_fields(self.drafter, use_corrector=base != "dflash", time_phases=True),
         ):
             kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
             if streamer is not None:
@@ -558,7 +565,7 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
-def greedy_mismatch_reason(dtype: str) -> str:
+def greedy_mismatch_reason(dtype: str, quantization: str | None = None) -> str:
     """Why a greedy speculative output may differ from plain `generate()` in `dtype`: a bug unless it is half precision.
 
     A verify forward of n tokens runs other GEMM and attention kernels than n 1-token steps. In float32 that moves
@@ -569,6 +576,11 @@ def greedy_mismatch_reason(dtype: str) -> str:
         return (f"in {dtype} a multi-token verify forward rounds differently from plain decoding's 1-token steps, so "
                 "greedy paths can part at a near-tie (transformers' own assisted generation too); use --dtype float32 "
                 "for token-exact output")
+    if quantization is not None:  # `precision.describe_quantization` of the target
+        return (f"the target is {quantization}: bitsandbytes rounds each activation row (to int8, or to bfloat16 in "
+                "its 4-bit kernel on AVX512-BF16 CPUs), which turns a verify forward's float32 rounding into larger "
+                "steps, so greedy paths can part at a near-tie (docs/quantized.md); drop --quantize for token-exact "
+                "output")
     return f"please report this: in {dtype} greedy speculation must be token-exact"
 
 
@@ -584,7 +596,7 @@ def format_report(report: dict[str, Any]) -> str:
     parts.append(format_table(report["methods"], f"== overall ({detail}) =="))
     equal = [s["equal_to_vanilla"] for s in report["methods"].values()]
     if mode == "greedy" and any(e is not None and e < 1 for e in equal):
-        parts.append(f"outputs differ from plain generate(): {greedy_mismatch_reason(config.get('dtype', '?'))}")
+        parts.append(f"outputs differ from plain generate(): {greedy_mismatch_reason(config.get('dtype', '?'), config.get('quantization'))}")
     return "\n\n".join(parts)
 
 

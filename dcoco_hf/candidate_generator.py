@@ -119,6 +119,15 @@ class DCOCOStats:
             "target_seconds": self.target_seconds,
         }
 
+    def observe_draft(self, drafted: int, accepted: int, committed: int) -> None:
+        """One cycle: `drafted` tokens proposed, the first `accepted` of them taken, `committed` tokens written."""
+        self.cycles += 1
+        self.committed_tokens += committed
+        self.accepted.append(accepted)
+        for slot in range(drafted):
+            self.slot_proposed[slot] += 1
+            self.slot_accepted[slot] += slot < accepted
+
     def merge(self, other: "DCOCOStats") -> "DCOCOStats":
         """Sum of two runs' statistics (for benchmark totals)."""
         merged = DCOCOStats(self.block_size, self.top_k)
@@ -137,7 +146,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
     Args:
         drafter: an attached `DCOCODrafter`.
         generation_config: the target's generation config (unused beyond validation; kept for the transformers API).
-        selection: walk override ("greedy" | "viterbi" | "geometric"); default the drafter's config.
+        selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's config.
         correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
     """
 
@@ -166,7 +175,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._last_committed: torch.LongTensor | None = None
         self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
         self._ended: tuple[int, float, list[int]] | None = None  # the tap's counters when the call ended
-        self.tap.listen(self)
+        # Phase times on a GPU need a device sync per phase, which stalls it: only when asked (the bench asks).
+        self.timed = bool(getattr(drafter.generation_config, "time_phases", False))
+        self.tap.listen(self, timed=self.timed)
 
     def get_candidates(
         self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs: Any
@@ -190,7 +201,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         position_ids = torch.cat([positions, block_positions])[None]
         proposal = self.drafter.propose(
             committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
-            context_ids=committed[None],
+            context_ids=committed[None], timed=self.timed,
         )
         limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
         tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :limit], proposal.candidates[0, 0])
@@ -278,13 +289,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         # Every target forward commits one token of its own. Only the first one after the draft verified it; more
         # follow only at the end of a call, when transformers has stopped drafting (no room left for a draft).
         accepted = max(0, min(new - (forward_count - forwards_before), drafted))
-        stats = self.stats
-        stats.cycles += 1
-        stats.committed_tokens += new
-        stats.accepted.append(accepted)
-        for slot in range(drafted):
-            stats.slot_proposed[slot] += 1
-            stats.slot_accepted[slot] += slot < accepted
+        self.stats.observe_draft(drafted, accepted, new)
         self._slot_candidates.append((length, proposal.candidates[0]))
 
     def _check_same_call(self, sequence: torch.LongTensor) -> None:

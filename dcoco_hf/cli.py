@@ -507,12 +507,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     identical = dcoco.output == plain.output
     block = loaded.drafter.config.block_size
-    print(generate_summary(dcoco, plain, identical, settings.greedy, loaded.dtype_name, block))
+    quantization = describe_quantization(loaded.target)
+    print(generate_summary(dcoco, plain, identical, settings.greedy, loaded.dtype_name, block, quantization))
     return 0
 
 
 def generate_summary(
-    dcoco: RunRecord, plain: RunRecord, identical: bool, greedy: bool, dtype: str, block_size: int
+    dcoco: RunRecord,
+    plain: RunRecord,
+    identical: bool,
+    greedy: bool,
+    dtype: str,
+    block_size: int,
+    quantization: str | None = None,
 ) -> str:
     """The lines printed after the streamed answer."""
 
@@ -524,14 +531,15 @@ def generate_summary(
     accepted = dcoco.acceptance.accepted
     mean = sum(accepted) / len(accepted) if accepted else 0.0
     if greedy:
-        same = "yes" if identical else f"NO ({greedy_mismatch_reason(dtype)})"
+        same = "yes" if identical else f"NO ({greedy_mismatch_reason(dtype, quantization)})"
     else:
         same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
     return "\n".join([
         f"dcoco:          {speed(dcoco)}, tau {tau:.2f} (blocks of {block_size}: {mean:.2f} drafted tokens accepted "
         "per verification)",
         f"plain generate: {speed(plain)}",
-        f"speedup {plain.seconds / dcoco.seconds:.2f}x over plain generate (same run); outputs identical: {same}",
+        f"speedup {dcoco.new_tokens / dcoco.seconds / (plain.new_tokens / plain.seconds):.2f}x over plain generate "
+        f"(tokens/s, same run); outputs identical: {same}",
     ])
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from .corrector import WALKS, walk_name
 from .lilicorr import config_from_public
 
-SELECTIONS = ("greedy", "viterbi", "geometric")
+SELECTIONS = WALKS
 CORRECTOR_TYPES = ("dcoco", "lilicorr")
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
@@ -42,9 +43,9 @@ class DCOCOConfig(PreTrainedConfig):
         top_k: candidates kept per slot by the corrector (K).
         corrector_rank: width r of the candidate representations and slot-pair state.
         corrector_hidden: hidden width of the transition MLP (3r + 2 -> corrector_hidden -> 1).
-        selection: how the block is read off the transition scores: "greedy" (the paper's prefix-first walk),
-            "viterbi" (best global path, paper's control) or "geometric" (global path with transitions weighted by
-            `geometric_lambda ** p`, paper's second control).
+        selection: how the block is read off the transition scores: "prefix_first" (the paper's walk; "greedy" in
+            older checkpoints), "viterbi" (best global path, paper's control) or "geometric" (global path with
+            transitions weighted by `geometric_lambda ** p`, paper's second control).
         geometric_lambda: decay of the geometric walk.
         correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
@@ -98,7 +99,7 @@ class DCOCOConfig(PreTrainedConfig):
     top_k: int = 16
     corrector_rank: int = 128
     corrector_hidden: int = 256
-    selection: str = "greedy"
+    selection: str = "prefix_first"
     geometric_lambda: float = 0.75
     correct_first_slot: bool = False
     context_bigrams: bool = False
@@ -140,7 +141,7 @@ class DCOCOConfig(PreTrainedConfig):
         top_k: int = 16,
         corrector_rank: int = 128,
         corrector_hidden: int = 256,
-        selection: str = "greedy",
+        selection: str = "prefix_first",
         geometric_lambda: float = 0.75,
         correct_first_slot: bool = False,
         context_bigrams: bool = False,
@@ -248,8 +249,7 @@ class DCOCOConfig(PreTrainedConfig):
                     "when it was not measured (scripts/record_block_tau.py records it from bench JSON files)."
                 )
         self.check_lilicorr_fields()
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}.")
+        self.selection = walk_name(self.selection)  # a legacy "greedy" loads as "prefix_first"
         if not 0.0 < self.geometric_lambda <= 1.0:
             raise ValueError(f"geometric_lambda={self.geometric_lambda} must lie in (0, 1].")
         if self.top_k < 1 or self.top_k > self.vocab_size:

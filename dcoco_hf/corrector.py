@@ -397,6 +397,19 @@ def viterbi_walk(
     return chosen
 
 
+WALKS = ("prefix_first", "viterbi", "geometric")
+# Checkpoints before 0.2 named the prefix-first walk "greedy", which also names greedy decoding; they still load.
+_LEGACY_WALKS = {"greedy": "prefix_first"}
+
+
+def walk_name(selection: str) -> str:
+    """The walk `selection` names ("prefix_first", "viterbi", "geometric"; the legacy "greedy" is "prefix_first")."""
+    name = _LEGACY_WALKS.get(selection, selection)
+    if name not in WALKS:
+        raise ValueError(f"selection={selection!r} is unknown; choose one of {WALKS}.")
+    return name
+
+
 def select_candidates(
     selection: str, transition_scores: torch.Tensor, first_slot_scores: torch.Tensor, geometric_lambda: float
 ) -> torch.Tensor:
@@ -404,10 +417,11 @@ def select_candidates(
 
     first_slot_scores [B, K]: slot 1's drafter logits (the paper) or its anchor -> slot 1 scores.
     """
-    if selection == "greedy":
+    selection = walk_name(selection)
+    if selection == "prefix_first":
         return prefix_first_walk(transition_scores, first_slot_scores)
     if selection == "viterbi":
         return viterbi_walk(transition_scores, first_slot_scores)
     if selection == "geometric":
         return viterbi_walk(transition_scores, first_slot_scores, decay=geometric_lambda)
-    raise ValueError(f"selection={selection!r} is unknown; choose 'greedy', 'viterbi' or 'geometric'.")
+    raise AssertionError(selection)  # walk_name admits only the walks above

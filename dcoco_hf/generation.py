@@ -161,7 +161,7 @@ def speculative_generate(
         input_ids: [B, L] left-padded prompts (pass `attention_mask` for padding).
         drafter: an attached `DCOCODrafter` (`drafter.attach(target)`).
         correct: False skips the corrector: plain DFlash argmax blocks with the same weights.
-        selection: the corrector's walk ("greedy" | "viterbi" | "geometric"); default the drafter config's.
+        selection: the corrector's walk ("prefix_first" | "viterbi" | "geometric"); default the drafter config's.
     """
     prepared = generation_config is not None and logits_processor is not None and stopping_criteria is not None
     if not prepared:  # a direct call: let generate() prepare everything, then come back here with it prepared
@@ -205,7 +205,7 @@ def _speculative_loop(
     _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
     tap = drafter.tap
     with drafter.one_call():  # refuses a second thread's call while this one runs
-        tap.listen()
+        tap.listen(timed=bool(getattr(drafter.generation_config, "time_phases", False)))  # GPU phase times: syncs
         try:
             return _loop(target, drafter, input_ids, attention_mask, logits_processor, config, correct, selection, tap)
         finally:
@@ -263,7 +263,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         )
         proposal = drafter.propose(
             anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection, correct=correct,
-            context_ids=context_ids, context_valid=context_valid,
+            context_ids=context_ids, context_valid=context_valid, timed=tap.timed,
         )
         dmask = torch.cat([dmask, ctx_mask], dim=1)  # [b, cached + N]
         drafts = proposal.tokens  # [b, S]
@@ -522,14 +522,9 @@ def _book(stats, rows, proposal, accepted, new, slots) -> None:
     """Per-row cycle statistics (drafter time is the batch's: every row waited for all of it)."""
     for row, count, committed in zip(rows.tolist(), accepted, new):
         row_stats = stats[row]
-        row_stats.cycles += 1
-        row_stats.committed_tokens += committed
-        row_stats.accepted.append(count)
+        row_stats.observe_draft(slots, count, committed)
         row_stats.drafter_seconds += proposal.backbone_seconds
         row_stats.corrector_seconds += proposal.corrector_seconds
-        for slot in range(slots):
-            row_stats.slot_proposed[slot] += 1
-            row_stats.slot_accepted[slot] += slot < count
 
 
 def _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache) -> None:

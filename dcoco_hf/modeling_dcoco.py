@@ -44,6 +44,7 @@ from .configuration_dcoco import DCOCOConfig
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
+from .precision import precision_notes
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
 from .tap import TargetTap, decoder_layers
 from .tuning import Tuning, logger, untune
@@ -306,15 +307,19 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         Plain `generate()` of the target stays bit-identical while attached; `detach()` undoes everything.
         """
         check_compatible(self.config, target)
+        if not tune and tune_options:
+            raise TypeError(f"attach(tune=False) takes no tuning options; got {sorted(tune_options)}.")
         self.detach()
         self._target_ref = weakref.ref(target)
         self._tap = TargetTap(target, self.config.target_layer_ids)
         weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks behind
+        notes = precision_notes(self, target)  # the drafter computes in the target's dtype, on every path
         if tune:
             self._tuning = tune_for_device(target, self, **tune_options)
+            self._tuning.notes += notes
             logger.info(self._tuning.summary())
-        elif tune_options:
-            raise TypeError(f"attach(tune=False) takes no tuning options; got {sorted(tune_options)}.")
+        elif notes:
+            logger.info("; ".join(notes))
         return self
 
     def detach(self) -> "DCOCODrafter":
@@ -483,6 +488,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         correct: bool = True,
         context_ids: torch.LongTensor | None = None,
         context_valid: torch.BoolTensor | None = None,
+        timed: bool = False,
     ) -> DraftProposal:
         """Draft one block per row and correct it.
 
@@ -492,13 +498,15 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             position_ids: [B, N + block_size] positions of those rows, then of the block.
             cache: the drafter context cache; it keeps the new context rows and drops the block afterwards.
             attention_mask: key mask [B, cached + N + block_size], or None when every key is visible.
-            selection: "greedy" | "viterbi" | "geometric"; default `config.selection`.
+            selection: "prefix_first" | "viterbi" | "geometric"; default `config.selection`.
             correct: False skips the corrector (plain DFlash argmax proposals, for baselines).
             context_ids: [B, L] committed tokens of each row, anchor included (needed with `context_bigrams`).
             context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
+            timed: wait for the device before reading the clock, so the phase times are exact on a GPU (on CPU they
+                are exact either way); without it nothing here waits for the device.
         """
         cfg = self.config
-        sync = device_sync(anchor_ids.device)
+        sync = device_sync(anchor_ids.device, timed)
         start = time.perf_counter()
         mask_ids = anchor_ids.new_full((anchor_ids.shape[0], cfg.block_size - 1), cfg.mask_token_id)
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
@@ -776,8 +784,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 f"This LiLiCorr checkpoint lacks {len(head)} head tensor(s), e.g. {head[:4]} (named lilicorr.* in the "
                 "file): check lilicorr_hidden_size, lilicorr_num_layers and lilicorr_factor_dim in its dflash_config."
             )
-        with torch.no_grad():
-            self.corrector.score_gate.fill_(1.0)
+        self.corrector.set_gate(1.0)
         self.config.architectures = [type(self).__name__]  # from now on it is one of ours (saved as corrector.*)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, format: str = "dcoco", **kwargs: Any):

@@ -25,18 +25,20 @@ from pathlib import Path
 
 import torch
 import yaml
-
 from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from dcoco_hf import CorpusBigrams, DCOCODrafter
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.block_choice import set_block_size
-from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.configuration_dcoco import CORRECTOR_TYPES, DCOCOConfig
+from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import PAIR_LOSSES, SLOT_WEIGHTINGS
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
-
+from dcoco_hf.training.trainer import (
+    DrafterCollator,
+    DrafterTrainer,
+    DrafterTrainingModel,
+)
 
 NEW_DRAFTER = {"layers": 1, "block_size": 16, "target_layers_read": 5, "top_k": 16}
 

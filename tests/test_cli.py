@@ -232,7 +232,7 @@ def test_dcoco_paper_method_keeps_slot_1_at_the_drafter_argmax(tiny, monkeypatch
         record = runner.run(method, "random", 0, ids)
         picks[method] = list(first_slot_choices)
         assert record.output == runner.run("vanilla", "random", 0, ids).output
-        assert drafter.config.correct_first_slot and drafter.config.selection == "greedy"
+        assert drafter.config.correct_first_slot and drafter.config.selection == "prefix_first"
     runner.close()
     assert picks["dcoco-paper"] and not any(picks["dcoco-paper"])
     assert any(picks["dcoco"]), picks
@@ -494,3 +494,17 @@ def test_bench_real_default_target(tmp_path):
     for name in ("dflash", "dcoco"):
         assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
     assert "== suite humaneval" in result.stdout and "== suite mtbench" in result.stdout
+
+
+def test_speedup_is_a_ratio_of_tokens_per_second():
+    """Under sampling the methods write answers of different lengths: a method that stops earlier must not look
+    faster. 100 tokens in 10 s (vanilla) against 50 tokens in 4 s is 1.25x, not the 2.5x a ratio of times says."""
+    from dcoco_hf.bench import Acceptance, RunRecord, summarise
+
+    def record(method: str, tokens: int, seconds: float) -> RunRecord:
+        return RunRecord("suite", 0, method, 8, tokens, seconds, Acceptance(target_forwards=tokens))
+
+    summaries = summarise([record("vanilla", 100, 10.0), record("dcoco", 50, 4.0)], ["vanilla", "dcoco"])
+    assert summaries["vanilla"]["speedup"] == pytest.approx(1.0)
+    assert summaries["dcoco"]["tokens_per_s"] == pytest.approx(12.5)
+    assert summaries["dcoco"]["speedup"] == pytest.approx(1.25)

@@ -15,7 +15,7 @@ from dcoco_hf import ContextBigrams, CorpusBigrams, DCOCOConfig, DCOCOCorrector,
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 
-SELECTIONS = ("greedy", "viterbi", "geometric")
+SELECTIONS = ("prefix_first", "viterbi", "geometric")
 
 
 # ---------------------------------------------------------------------------------------------------- size
@@ -96,8 +96,8 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
     assert total >= 100
     assert all(count > 0.1 * total for count in changed.values()), (changed, total)
     # The paper's greedy walk never leaves the drafter's slot 1; scored from the anchor, it does.
-    assert (first_changed["greedy"] > 0) == first_slot, first_changed
-    greedy, viterbi = torch.cat(noisy_tokens["greedy"]), torch.cat(noisy_tokens["viterbi"])
+    assert (first_changed["prefix_first"] > 0) == first_slot, first_changed
+    greedy, viterbi = torch.cat(noisy_tokens["prefix_first"]), torch.cat(noisy_tokens["viterbi"])
     assert not torch.equal(greedy, viterbi)  # the walks differ, so the checks above tell them apart
 
 
@@ -350,7 +350,7 @@ def test_walks_on_hand_built_tables():
     # 5 + 0.1 * lam vs 4 + 10 * lam, so it follows greedy for lam < 1/9.9 and the global path above it.
     assert viterbi_walk(scores, first, decay=0.05).tolist() == [[0, 0, 1]]
     assert viterbi_walk(scores, first, decay=0.2).tolist() == [[0, 1, 0]]
-    assert select_candidates("greedy", scores, first, 0.75).tolist() == [[0, 0, 1]]
+    assert select_candidates("prefix_first", scores, first, 0.75).tolist() == [[0, 0, 1]]
     assert select_candidates("viterbi", scores, first, 0.05).tolist() == [[0, 1, 0]]  # lambda is ignored
     assert select_candidates("geometric", scores, first, 0.05).tolist() == [[0, 0, 1]]
     assert select_candidates("geometric", scores, first, 0.75).tolist() == [[0, 1, 0]]
@@ -403,3 +403,17 @@ def test_bad_corpus_tables_are_refused(fitted):
         drafter.set_corpus_bigrams(other)
     with pytest.raises(ValueError, match="corpus_bigrams=0 must be the number of pairs counted"):
         DCOCOConfig(vocab_size=vocab, target_layer_ids=[0], corpus_bigrams=0)
+
+
+def test_the_legacy_walk_name_greedy_still_loads_as_prefix_first():
+    """Checkpoints before 0.2 wrote selection "greedy" (which also names greedy decoding); they load unchanged."""
+    from dcoco_hf import DCOCOConfig
+
+    config = DCOCOConfig(target_layer_ids=[1], selection="greedy")
+    assert config.selection == "prefix_first"
+    scores = torch.tensor([[[[0.0, 2.0], [1.0, 0.0]]]])
+    first = torch.tensor([[1.0, 0.0]])
+    assert select_candidates("greedy", scores, first, 0.75).tolist() == select_candidates(
+        "prefix_first", scores, first, 0.75).tolist()
+    with pytest.raises(ValueError, match="unknown"):
+        DCOCOConfig(target_layer_ids=[1], selection="beam")

@@ -1,6 +1,6 @@
 """A bfloat16 drafter beside a float32 target, and the reverse, on every path.
 
-`align_drafter_dtype` (called by attach) casts the drafter to the dtype of the target's hidden states: transformers'
+`attach` casts (`align_drafter_dtype`, logged) the drafter to the dtype of the target's hidden states: transformers'
 own `speculation_type="dflash"` path applies the target's lm_head to the drafter's output as it is and fails on a
 mix. After the cast every path runs: assisted (`target.generate(assistant_model=drafter)`), batched
 (`speculative_generate`) and transformers' DFlash path, greedy and sampling. Our own two paths also run on an
@@ -11,6 +11,7 @@ float32 target; with a bfloat16 one it may part only at a near-tie of plain deco
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -33,12 +34,36 @@ def _fitted():
 
 
 def mixed(target_dtype: torch.dtype, drafter_dtype: torch.dtype, align: bool):
-    """(target in target_dtype, fitted drafter in drafter_dtype attached to it, the log text of the cast)."""
+    """(target in target_dtype, fitted drafter made in drafter_dtype and attached to it, the log text of the cast).
+    Without `align`, the drafter is cast back to drafter_dtype by hand after attach (which aligned it)."""
     target, drafter = _fitted()
     target = copy.deepcopy(target).to(target_dtype)
-    drafter = copy.deepcopy(drafter).to(drafter_dtype).attach(target, tune=False)
+    drafter = copy.deepcopy(drafter).to(drafter_dtype)
     note = align_drafter_dtype(drafter, target) if align else None
+    drafter.attach(target, tune=False)
+    if not align:
+        drafter.to(drafter_dtype)
     return target, drafter, note
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def attach_log(drafter, target) -> list[str]:
+    """What `drafter.attach(target, tune=False)` logs (the "dcoco_hf" logger does not propagate to caplog)."""
+    handler, logger = _Lines(), logging.getLogger("dcoco_hf")
+    logger.addHandler(handler)
+    try:
+        drafter.attach(target, tune=False)
+    finally:
+        logger.removeHandler(handler)
+    return handler.lines
 
 
 def _prompt(seed: int, length: int, rows: int = 1) -> torch.LongTensor:
@@ -67,6 +92,18 @@ def test_attach_cast_says_what_it_did(target_dtype, drafter_dtype):
     assert target_compute_dtype(target) == target_dtype
     assert all(p.dtype == target_dtype for p in drafter.parameters())
     assert align_drafter_dtype(drafter, target) is None  # nothing left to cast
+
+
+@pytest.mark.parametrize("target_dtype,drafter_dtype", MIXES)
+def test_attach_casts_the_drafter_and_logs_it(target_dtype, drafter_dtype):
+    target, drafter = _fitted()
+    target = copy.deepcopy(target).to(target_dtype)
+    drafter = copy.deepcopy(drafter).to(drafter_dtype)
+    lines = attach_log(drafter, target)
+    assert lines == [f"drafter cast from {str(drafter_dtype).removeprefix('torch.')} to "
+                     f"{str(target_dtype).removeprefix('torch.')}, the dtype of the target's hidden states"]
+    assert all(p.dtype == target_dtype for p in drafter.parameters())
+    assert attach_log(drafter, target) == []  # attached again: nothing to cast, nothing said
 
 
 @pytest.mark.parametrize("target_dtype,drafter_dtype", MIXES)

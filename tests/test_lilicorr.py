@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import PROMPT_LEN, fit_drafter, make_target
 from safetensors.torch import save_file
 from torch.nn import functional as F
 
@@ -15,9 +16,7 @@ from dcoco_hf.lilicorr import LiLiCorrCorrector
 from dcoco_hf.training import drafter_loss, target_context
 from dcoco_hf.training.losses import awl_slot_weights, lilicorr_loss
 
-from conftest import PROMPT_LEN, fit_drafter, make_target
-
-HEAD = dict(lilicorr_hidden_size=16, lilicorr_num_layers=1, lilicorr_num_heads=2, lilicorr_factor_dim=8)
+HEAD = {"lilicorr_hidden_size": 16, "lilicorr_num_layers": 1, "lilicorr_num_heads": 2, "lilicorr_factor_dim": 8}
 # The public format as its servers read it: every lilicorr_* key inside dflash_config (candidate_topk included).
 PUBLIC_GEOMETRY = {
     "lilicorr_enabled": True, "lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16, "lilicorr_num_layers": 1,
@@ -53,7 +52,7 @@ def randomise(head: LiLiCorrCorrector, seed: int = 0) -> None:
     with torch.no_grad():
         for param in head.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-        head.score_gate.fill_(1.0)
+    head.set_gate(1.0)
 
 
 def prompts(n: int = 3, seed: int = 1) -> torch.LongTensor:
@@ -74,7 +73,7 @@ def test_batched_scores_equal_the_per_pair_formula():
     start, pairs = head(*inputs)
     anchor_out, out_vec, in_vec = head.vectors(*inputs)
     assert pairs.shape == (2, 3, 4, 4) and start.shape == (2, 4)
-    scale = head.logit_scale * float(head.score_gate.detach())
+    scale = head.logit_scale * float(head.gate.detach())
     for r in range(2):
         for b in range(4):
             naive = scale * F.cosine_similarity(anchor_out[r], in_vec[r, 0, b], dim=0)
@@ -161,7 +160,7 @@ def test_public_format_folder_loads_and_drafts(lilicorr_setup, tmp_path):
 
     loaded = DCOCODrafter.from_pretrained(tmp_path).eval().attach(target, tune=False)
     assert loaded.config.corrector_type == "lilicorr" and loaded.config.top_k == 4
-    assert loaded.config.lilicorr_logit_scale == 8.0 and float(loaded.corrector.score_gate.detach()) == 1.0
+    assert loaded.config.lilicorr_logit_scale == 8.0 and float(loaded.corrector.gate.detach()) == 1.0
     state = loaded.state_dict()
     for name, tensor in tensors.items():
         torch.testing.assert_close(state["corrector." + name[len("lilicorr."):]], tensor)
@@ -179,8 +178,7 @@ def test_public_format_folder_loads_and_drafts(lilicorr_setup, tmp_path):
 
 def test_save_in_public_format_round_trip(lilicorr_setup, tmp_path):
     target, drafter = lilicorr_setup
-    with torch.no_grad():
-        drafter.corrector.score_gate.fill_(0.5)  # folded into the exported logit_scale
+    drafter.corrector.set_gate(0.5)  # folded into the exported logit_scale
     drafter.save_pretrained(tmp_path, format="lilicorr")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LiLiCorrDraftModel"]
@@ -195,8 +193,7 @@ def test_save_in_public_format_round_trip(lilicorr_setup, tmp_path):
               torch.randn(2, 32), torch.tensor([True, True]))
     for ours, theirs in zip(drafter.corrector(*inputs), loaded.corrector(*inputs)):
         torch.testing.assert_close(ours, theirs)
-    with torch.no_grad():
-        drafter.corrector.score_gate.fill_(1.0)
+    drafter.corrector.set_gate(1.0)
 
 
 def test_old_configs_load_as_dcoco():
@@ -259,7 +256,7 @@ def test_awl_option_reaches_the_dflash_loss(lilicorr_setup):
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
     loss_mask[:, PROMPT_LEN:] = True
     states, argmax = target_context(target, drafter.config.target_layer_ids, ids)
-    kwargs = dict(num_anchors=6, dcoco=False)
+    kwargs = {"num_anchors": 6, "dcoco": False}
     decay = drafter_loss(drafter, ids, loss_mask, states, argmax, generator=torch.Generator().manual_seed(0), **kwargs)
     awl = drafter_loss(drafter, ids, loss_mask, states, argmax, generator=torch.Generator().manual_seed(0),
                        slot_weighting="awl", **kwargs)

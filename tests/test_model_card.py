@@ -19,8 +19,10 @@ from dcoco_hf.assets import load_default_target
 from dcoco_hf.cli import DEFAULT_DRAFTER_NAME
 from dcoco_hf.cpu_linear import available_layouts, use_few_rows_linear
 
-CARD = Path(__file__).resolve().parents[1] / "model_cards" / DEFAULT_DRAFTER_NAME
-_SYNC = runpy.run_path(str(CARD.parents[1] / "scripts" / "sync_model_card.py"))
+ROOT = Path(__file__).resolve().parents[1]
+CARD = ROOT / "model_cards" / DEFAULT_DRAFTER_NAME
+_SYNC = runpy.run_path(str(ROOT / "scripts" / "sync_model_card.py"))
+_RESULTS = runpy.run_path(str(ROOT / "scripts" / "results_table.py"))
 CODE_FILES = tuple(_SYNC["remote_code_files"]())
 
 
@@ -57,15 +59,28 @@ def test_shipped_drafter_is_lossless_on_the_default_target(layout):
     assert drafter.generation_stats(got).committed_tokens == 24
 
 
-def test_card_results_table_matches_its_bench_json():
-    """The headline numbers in the card are bench.json's, not typed by hand."""
-    bench = json.loads((CARD / "bench.json").read_text())["suites"]
-    card = (CARD / "README.md").read_text()
-    rows = {("humaneval", "dcoco"): "| HumanEval | DCOCO (prefix-first walk) |", ("mtbench", "dcoco"): "| MT-Bench | DCOCO |",
-            ("mtbench", "dflash"): "| MT-Bench | plain DFlash |"}
-    for (suite, method), prefix in rows.items():
-        summary = bench[suite][method]
-        assert f"{prefix} {summary['tau']:.2f} | {summary['speedup']:.2f}x |" in card, (suite, method)
+def test_results_tables_are_their_json_files():
+    """The README's and the card's results tables are `scripts/results_table.py`'s rendering of the benchmark JSON
+    files they link to, not figures typed by hand."""
+    rows = _RESULTS["api_rows"]() + _RESULTS["bench_rows"]()
+    assert len(rows) >= 4, "docs/results/ lost its benchmark files"
+    for doc in (ROOT / "README.md", CARD / "README.md"):
+        text = doc.read_text()
+        for row in rows:
+            assert row.replace("](docs/", "](" + _link_prefix(doc) + "docs/") in text, (doc.name, row)
+
+
+def _link_prefix(doc: Path) -> str:
+    return "" if doc.parent == ROOT else "../../"
+
+
+def test_results_runs_kept_every_output_identical():
+    for file in ("api_mixed_heldout.json", "api_humaneval.json"):
+        report = json.loads((ROOT / "docs" / "results" / file).read_text())
+        assert report["totals"]["identical"] == len(report["records"]) > 0, file
+    bench = json.loads((ROOT / "docs" / "results" / "bench_dflash_vs_dcoco.json").read_text())
+    for suite in bench["suites"].values():
+        assert suite["dflash"]["equal_to_vanilla"] == suite["dcoco"]["equal_to_vanilla"] == 1.0
 
 
 def test_recorded_block_tau_is_the_block_size_bench():
@@ -82,14 +97,16 @@ def test_recorded_block_tau_is_the_block_size_bench():
     assert sorted(map(int, measured)) == list(range(2, config["max_block_size"] + 1))
 
 
-def test_card_states_the_check_on_prompts_no_choice_was_made_on():
-    """The weights were picked partly on the first 20 prompts of each suite; the card's ratio on the next 20 is
-    bench_prompts_21-40.json's, with every output equal to plain greedy."""
-    report = json.loads((CARD / "bench_prompts_21-40.json").read_text())
-    assert report["config"]["skip"] == 20 and report["config"]["suites"] == {"humaneval": 20, "mtbench": 20}
-    card = (CARD / "README.md").read_text()
-    for suite, name in (("humaneval", "HumanEval"), ("mtbench", "MT-Bench")):
-        summaries = report["suites"][suite]
-        assert summaries["dcoco@4"]["equal_to_vanilla"] == summaries["dflash@4"]["equal_to_vanilla"] == 1.0
-        ratio = summaries["dcoco@4"]["tau"] / summaries["dflash@4"]["tau"]
-        assert f"{name} {ratio:.3f}" in card, (suite, ratio)
+def test_readme_and_card_are_product_docs():
+    """Short enough to read in five minutes, history kept in docs/, and the README's layout table names every file
+    of the package."""
+    readme, card = (ROOT / "README.md").read_text(), (CARD / "README.md").read_text()
+    assert len(readme.splitlines()) <= 220 and len(card.splitlines()) <= 220
+    assert not list(CARD.glob("training_summary_stage*.json")) and not (CARD / "HISTORY.md").exists()
+    package = Path(dcoco_hf.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        name = path.relative_to(package).as_posix()
+        shown = name if "/" not in name else name.split("/")[0] + "/"
+        assert f"`dcoco_hf/{shown}" in readme or f"`{path.name}`" in readme or f", `{path.name}" in readme, name

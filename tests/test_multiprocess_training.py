@@ -54,7 +54,7 @@ def test_two_process_ddp_training_keeps_ranks_in_step_and_the_checkpoint_reloads
         "--block-size", "4", "--top-k", "4", "--num-anchors", "4", "--batch-size", "2", "--max-steps", "3",
         "--max-length", "32", "--lr", "3e-3", "--save-steps", "100",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, env=quiet_env(), timeout=240, cwd=REPO)
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=quiet_env(), timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "final" / "training_summary.json").read_text())
     digests = summary["rank_weight_digests"]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import _FITTED, VOCAB, fit_drafter, make_target, scrambled
+from test_half_precision import attach_log
 from sampling_reference import (
     PROMPT, T, V, exact_distribution, histogram, iid_tv_quantiles, random_drafter, total_variation,
 )
@@ -74,10 +75,8 @@ def pin_exact_kernels(model) -> None:
 
 
 def attached(drafter: DCOCODrafter, target) -> DCOCODrafter:
-    """A copy of `drafter` attached to `target` as attach will do it: dtype aligned, quantization described."""
-    clone = copy.deepcopy(drafter).attach(target, tune=False)
-    precision_notes(clone, target)
-    return clone
+    """A copy of `drafter` attached to `target` (untuned: the CPU tuning is tested on its own below)."""
+    return copy.deepcopy(drafter).attach(target, tune=False)
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +119,9 @@ def test_precision_helpers_describe_the_quantized_target(quantized):
     }[quantization]
     assert describe_quantization(target) == expected
     assert quantized_linears(target) == 7 * LAYERS  # q, k, v, o, gate, up, down per layer; lm_head stays fp32
-    assert precision_notes(drafter, target) == [f"target {expected}: its {7 * LAYERS} quantized linears keep their "
-                                                "own kernels"]
+    note = f"target {expected}: its {7 * LAYERS} quantized linears keep their own kernels"
+    assert precision_notes(drafter, target) == [note]
+    assert attach_log(copy.deepcopy(drafter), target) == [note]  # attach says what it met
 
 
 def test_cpu_layouts_never_swap_quantized_linears(quantized):
@@ -317,3 +317,11 @@ def test_cli_quantize_without_bitsandbytes_fails_before_loading(saved, monkeypat
     assert result.code == 1
     assert "needs the bitsandbytes package" in result.err and "pip install 'dcoco-hf[bnb]'" in result.err
     assert "loading target" not in result.err
+
+
+def test_a_quantized_mismatch_is_explained_not_reported_as_a_bug():
+    from dcoco_hf.bench import greedy_mismatch_reason
+
+    reason = greedy_mismatch_reason("float32", "4-bit nf4 bitsandbytes, compute float32")
+    assert "near-tie" in reason and "drop --quantize" in reason and "report" not in reason
+    assert "please report this" in greedy_mismatch_reason("float32")

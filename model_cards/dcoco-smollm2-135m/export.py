@@ -116,7 +116,8 @@ def adopt_d2t(drafter: DCOCODrafter, source: str | Path, info: dict) -> list[str
     missing = [k for k in info["missing_keys"] if k != "draft_token_ids"]
     path = cached_file(str(source), "model.safetensors")
     with safe_open(path, "pt") as file:
-        if "d2t" not in file.keys():
+        names = set(file.keys())  # a safetensors file handle, not a dict
+        if "d2t" not in names:
             return list(info["missing_keys"])  # neither our buffer nor d2t: the caller's error names it
         d2t = file.get_tensor("d2t").long()
     drafter.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t)
@@ -247,4 +248,4 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["export_dflash", "add_export_parser"]
+__all__ = ["add_export_parser", "export_dflash"]

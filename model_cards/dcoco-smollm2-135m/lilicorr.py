@@ -21,7 +21,7 @@ Architecture, parameter names and config keys follow the public implementations 
 plugin, the SGLang and vLLM serving heads), so checkpoints move both ways (`to_public_format`,
 `public_state_dict`); the weights live under `corrector.` here and `lilicorr.` there.
 
-Our one addition is `score_gate`, a zero-initialised scalar that multiplies every score: an untrained head scores
+Our one addition is a gate, a zero-initialised scalar (`score_gate`, times GATE_RATE) that multiplies every score: an untrained head scores
 every candidate 0, so the walk returns the drafter's own argmax (the first of equal maxima, which is candidate 0,
 the drafter's top-1), exactly as DCOCO's zero-initialised output layer does. The public head has no such gate and no
 additive log-prob prior (the log-probs only enter as features), and its freshly initialised factor heads give random
@@ -55,6 +55,10 @@ PUBLIC_FIELDS = {
     "lilicorr_candidate_topk": "top_k",
 }
 NUM_CANDIDATE_FEATURES = 5  # [log p, p, log p - max log p, rank fraction, is top-1], in the public order
+# The score gate is GATE_RATE * score_gate: Adam moves a parameter by about lr per step whatever its scale, so a gate
+# stored as is would need ~1/lr steps to open, and the softmax over the scores would stay flat (temperature
+# ~1/(lr * steps)) for most of a short training run; stored this way it opens in tens of steps.
+GATE_RATE = 100.0
 
 
 class LiLiCorrAttention(nn.Module):
@@ -155,8 +159,17 @@ class LiLiCorrCorrector(nn.Module):
         # Ours, zero at start: every score 0, so the walk returns the drafter argmax (module docstring).
         self.score_gate = nn.Parameter(torch.zeros(()))
 
+    @property
+    def gate(self) -> torch.Tensor:
+        """The factor every score is multiplied by, on top of logit_scale (0 for a fresh head, 1 for a public one)."""
+        return GATE_RATE * self.score_gate
+
+    def set_gate(self, value: float) -> None:
+        with torch.no_grad():
+            self.score_gate.fill_(value / GATE_RATE)
+
     @classmethod
-    def from_config(cls, config: Any) -> "LiLiCorrCorrector":
+    def from_config(cls, config: Any) -> LiLiCorrCorrector:
         """The head a `DCOCOConfig` with corrector_type="lilicorr" describes."""
         return cls(
             config.hidden_size, config.lilicorr_block_size, config.top_k, config.lilicorr_hidden_size,
@@ -197,7 +210,7 @@ class LiLiCorrCorrector(nn.Module):
         anchor_out, out_vec, in_vec = self.vectors(
             slot_hidden, candidate_embeds, candidate_log_probs, anchor_hidden, anchor_valid
         )
-        scale = self.logit_scale * self.score_gate
+        scale = self.logit_scale * self.gate
         start = torch.einsum("rf,rkf->rk", anchor_out, in_vec[:, 0])  # [R, K]
         pairs = torch.matmul(out_vec[:, :-1], in_vec[:, 1:].transpose(-1, -2))  # [R, S - 1, K, K] all pairs at once
         return scale * start.float(), scale * pairs.float()
@@ -331,7 +344,7 @@ def public_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     tensors, gate = {}, None
     for name, tensor in state.items():
         if name == "corrector.score_gate":
-            gate = float(tensor)
+            gate = GATE_RATE * float(tensor)
         elif name.startswith("corrector."):
             tensors[PUBLIC_PREFIX + name[len("corrector."):]] = tensor.detach().contiguous()
         elif name.startswith(("fc.", "hidden_norm.", "layers.", "norm.")):
@@ -343,7 +356,7 @@ def public_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
 
 def save_public(drafter: nn.Module, folder: str | Path) -> None:
     """Write `drafter` (a LiLiCorr drafter) as a folder in the public format: config.json and model.safetensors."""
-    from safetensors.torch import save_file  # noqa: PLC0415 -- only needed for this export
+    from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .device import device_sync
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of a Hugging Face causal LM."""
@@ -62,6 +64,7 @@ class TargetTap:
         self.layer_ids = list(layer_ids)
         self.max_pending = max_pending
         self.listening = False
+        self.timed = False
         self.owner: object | None = None
         self.pending: list[TargetForward] = []
         self.forward_count = 0
@@ -74,10 +77,13 @@ class TargetTap:
             target.register_forward_pre_hook(self._on_start, with_kwargs=True),
             target.register_forward_hook(self._on_end, with_kwargs=True),
         ] + [layers[i].register_forward_hook(partial(self._on_layer, i), with_kwargs=True) for i in self.layer_ids]
-        self._sync = torch.cuda.synchronize if next(target.parameters()).device.type == "cuda" else (lambda: None)
+        self._device = next(target.parameters()).device
+        self._sync = device_sync(self._device, timed=False)
 
-    def listen(self, owner: object | None = None) -> None:
-        """Start recording this thread's target forwards for `owner` (an engine): forget what earlier ones left."""
+    def listen(self, owner: object | None = None, timed: bool = False) -> None:
+        """Start recording this thread's target forwards for `owner` (an engine): forget what earlier ones left.
+        `timed`: wait for the device around each forward, so `seconds` is exact on a GPU too (it stalls it)."""
+        self.timed, self._sync = timed, device_sync(self._device, timed)
         self.listening, self.pending, self.forward_count, self.seconds = True, [], 0, 0.0
         self.forward_starts, self.owner, self._thread, self._current = [], owner, threading.get_ident(), None
 

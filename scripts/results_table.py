@@ -1,0 +1,77 @@
+"""Print the headline results table (README and model card) from the benchmark JSON files it links to.
+
+    python scripts/results_table.py
+
+Rows: the public-API runs (`scripts/api_bench.py`: from_pretrained, attach, generate) and the side-by-side bench of
+the same engine with the corrector on and off (`dcoco-hf bench --methods vanilla,dflash,dcoco`). A figure in the
+README or the card that is not in these files is a defect; `tests/test_model_card.py` checks the tables against them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "docs/results"
+API_RUNS = (
+    ("16 held-out chat + code prompts", "api_mixed_heldout.json"),
+    ("HumanEval, prompts 1-20", "api_humaneval.json"),
+    ("MT-Bench, questions 1-20", "api_mtbench.json"),
+)
+BENCH = "bench_dflash_vs_dcoco.json"
+SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
+
+
+def api_rows() -> list[str]:
+    rows = []
+    for name, file in API_RUNS:
+        path = ROOT / RESULTS / file
+        if not path.is_file():
+            continue
+        report = json.loads(path.read_text())
+        totals, prompts = report["totals"], len(report["records"])
+        rows.append(
+            f"| {name} ([json]({RESULTS}/{file})) | {totals['tau']:.2f} | {totals['speedup']:.2f}x | "
+            f"{100 * totals['corrector_share']:.1f}% | {totals['identical']}/{prompts} |"
+        )
+    return rows
+
+
+def bench_rows() -> list[str]:
+    path = ROOT / RESULTS / BENCH
+    if not path.is_file():
+        return []
+    report = json.loads(path.read_text())
+    rows = []
+    for suite, methods in report["suites"].items():
+        dflash, dcoco = methods["dflash"], methods["dcoco"]
+        rows.append(
+            f"| {SUITE_NAMES.get(suite, suite)}, {dcoco['prompts']} prompts ([json]({RESULTS}/{BENCH})) | "
+            f"{dflash['tau']:.2f} / {dcoco['tau']:.2f} | {dcoco['tau'] / dflash['tau']:.3f} | "
+            f"{dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | {100 * dcoco['corrector_share']:.1f}% |"
+        )
+    return rows
+
+
+def table() -> str:
+    lines = [
+        "Through the public API alone (`from_pretrained`, `attach`, `generate`; greedy, 128 new tokens, plain",
+        "`generate()` and the drafter back to back per prompt, `python scripts/api_bench.py`):",
+        "",
+        "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
+        "| --- | --- | --- | --- | --- |",
+        *api_rows(),
+        "",
+        "The corrector alone: the same engine, weights, draft vocabulary, layouts and block, with the corrector off",
+        "(`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench --methods vanilla,dflash,dcoco`):",
+        "",
+        "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
+        "| --- | --- | --- | --- | --- |",
+        *bench_rows(),
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
