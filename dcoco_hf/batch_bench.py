@@ -22,6 +22,15 @@ import torch
 from transformers import PreTrainedModel
 
 from .assets import eos_token_ids, left_pad, padding_id
+from .cli_common import (
+    CLIError,
+    add_prompt_arguments,
+    attach_drafter,
+    check_arguments,
+    collect_prompts,
+    load_models,
+    write_results,
+)
 from .cpu_linear import few_rows_plan
 from .generation import speculative_generate
 from .modeling_dcoco import DCOCODrafter
@@ -167,8 +176,6 @@ def format_batch_table(report: dict[str, Any]) -> str:
 
 
 def add_bench_batch_parser(commands: Any, common: argparse.ArgumentParser) -> None:
-    from .cli import add_prompt_arguments  # cli imports this module to build its parser
-
     parser = commands.add_parser(
         "bench-batch",
         parents=[common],
@@ -200,25 +207,23 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
-    from . import cli  # the CLI's loaders, prompt suites and error type
-
-    cli._check_common(args)  # the same checks as bench: numbers, model folders, the --json path
+    check_arguments(args)  # the same checks as bench: numbers, model folders, the --json path
     try:
         batch_sizes = parse_batch_sizes(args.batch_size)
     except ValueError as err:
-        raise cli.CLIError(str(err)) from None
+        raise CLIError(str(err)) from None
     methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not methods or set(methods) - set(BATCH_METHODS):
-        raise cli.CLIError(f"--methods {args.methods}: choose from {','.join(BATCH_METHODS)}")
-    items = cli.collect_prompts(args)
+        raise CLIError(f"--methods {args.methods}: choose from {','.join(BATCH_METHODS)}")
+    items = collect_prompts(args)
     if args.random_drafter:
-        loaded = cli.load_models(args, need_drafter=False)
+        loaded = load_models(args, need_drafter=False)
         drafter = DCOCODrafter.from_target(loaded.target).eval()
-        cli.attach_drafter(args, loaded.target, drafter, batch=max(batch_sizes), choose_block=False)
+        attach_drafter(args, loaded.target, drafter, batch=max(batch_sizes), choose_block=False)
         drafter_name = "random (DCOCODrafter.from_target)"
     else:
         # bench-batch drafts the configured block: the start-up choice times one-row cycles, not batched ones.
-        loaded = cli.load_models(args, need_drafter=True, batch=max(batch_sizes), choose_block=False)
+        loaded = load_models(args, need_drafter=True, batch=max(batch_sizes), choose_block=False)
         drafter, drafter_name = loaded.drafter, loaded.drafter_name
     from .bench import encode_prompt
 
@@ -234,7 +239,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         few_rows_linear=few_rows_plan(loaded.target),
     )
     print(format_batch_table(report))
-    cli.write_results(report, args.json)
+    write_results(report, args.json)
     return 0
 
 

@@ -10,33 +10,20 @@ Defaults: target SmolLM2-135M-Instruct (built once from its PyPI wheel, see `ass
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import logging
-import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import closing
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    BitsAndBytesConfig,
-    PreTrainedModel,
     TextStreamer,
 )
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from . import __version__
-from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from .batch_bench import add_bench_batch_parser
 from .bench import (
     DRAFTER_METHODS,
@@ -46,7 +33,6 @@ from .bench import (
     PromptItem,
     RunRecord,
     build_report,
-    check_block_size,
     encode_prompt,
     format_report,
     greedy_mismatch_reason,
@@ -54,41 +40,25 @@ from .bench import (
     split_method,
 )
 from .block_choice import BlockSizeChoice
-from .cpu_attention import CPU_GQA_ATTENTION
+from .cli_common import (
+    BLOCK_SIZE_HELP,
+    CLIError,
+    Loaded,
+    add_prompt_arguments,
+    block_size_arg,
+    check_arguments,
+    collect_prompts,
+    common_options,
+    default_drafter_path,
+    load_models,
+    log,
+    write_results,
+)
 from .cpu_linear import few_rows_plan
 from .export import add_export_parser
-from .modeling_dcoco import DCOCODrafter
-from .plots import require_matplotlib, write_plots
+from .plots import require_matplotlib
 from .precision import describe_quantization
 from .tuning import cpu_name
-
-DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
-DEFAULT_SUITES = "humaneval,mtbench"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "8bit", "4bit")
-ATTN_IMPLEMENTATIONS = ("sdpa", CPU_GQA_ATTENTION, "flash_attention_2", "eager")
-
-
-BLOCK_SIZE_HELP = (
-    "draft block size (anchor + B-1 drafted tokens), or auto: the block of highest tau per cycle time on this "
-    "machine (DScout's G = tau / T: tau as recorded in the drafter's block_tau, T timed at start-up; see "
-    "dcoco_hf/block_choice.py). Default: auto when the drafter records block_tau, else its config block_size. "
-    "At most the largest block it was trained on (config.max_block_size, else block_size): a shorter block "
-    "drops trailing mask slots, a longer one would ask for slots it never learned"
-)
-
-
-class CLIError(Exception):
-    """A problem the user can fix; main() prints it without a traceback. exit_code 2: bad input, 1: environment."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Argument parsing
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding for Hugging Face transformers: DFlash drafter + DCOCO corrector.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = _common_options()
+    common = common_options()
 
     gen = commands.add_parser(
         "generate",
@@ -145,41 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _common_options() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", default=None,
-                        help="target model: local folder or Hub id (default: SmolLM2-135M-Instruct from PyPI)")
-    common.add_argument("--drafter", default=None,
-                        help="drafter: local folder or Hub id (default: the shipped "
-                        f"model_cards/{DEFAULT_DRAFTER_NAME})")
-    common.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    common.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    common.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
-    common.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="model dtype (default auto: bfloat16 on GPU, float32 on CPU)")
-    common.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default=None,
-                        help="attention implementation (default: sdpa_cpu_gqa on CPU, which skips transformers' "
-                        "key/value expansion in masked multi-token forwards (dcoco_hf/cpu_attention.py); on GPU "
-                        "flash_attention_2 when flash_attn is installed, else sdpa)")
-    common.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
-    common.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
-                        help="load the target with bitsandbytes: 8bit (int8 rows, no outlier columns, so greedy "
-                        "output stays token-exact) or 4bit (nf4, computing in the run's dtype); needs pip install "
-                        "'dcoco-hf[bnb]'. Outputs are compared with plain generate() of the same quantized target "
-                        "(default none; see docs/quantized.md)")
-    common.add_argument("--retune", action="store_true",
-                        help="measure the CPU layouts and the block size again instead of reading them from the "
-                        "cache of an earlier run on this machine (~/.cache/dcoco-hf/tuning), e.g. when that run's "
-                        "machine was busy")
-    common.add_argument("--plain-linear", action="store_true",
-                        help="on CPU, keep torch's GEMM for few-row forwards of the target and drafter instead of "
-                        "the fastest layout measured on this machine (W @ x^T or MKL's packed GEMM), which makes "
-                        "verify and draft forwards cheaper (dcoco_hf/cpu_linear.py); plain decoding is identical "
-                        "either way")
-    return common
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dcoco-hf` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -196,19 +131,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def block_size_arg(text: str) -> int | str:
-    """--block-size: an integer of at least 2, or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        size = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of tokens (anchor included) or auto") from None
-    if size < 2:
-        raise argparse.ArgumentTypeError(f"{size}: a block needs the anchor plus at least one drafted token")
-    return size
-
-
 def parse_methods(text: str) -> list[str]:
     """Method names, each from METHODS, a drafter method optionally with a block size ("dcoco@3")."""
     methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
@@ -222,287 +144,20 @@ def parse_methods(text: str) -> list[str]:
     return methods
 
 
-def parse_suites(text: str) -> list[str]:
-    suites = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [s for s in suites if s not in SUITES]
-    if unknown or not suites:
-        raise CLIError(f"unknown suite(s) {unknown or [text]} in --suite; choose from {','.join(SUITES)}")
-    return suites
-
-
-def _check_common(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 2:
-        raise CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens to draft")
-    if args.temperature < 0:
-        raise CLIError(f"--temperature {args.temperature} is negative; use 0 for greedy or a positive value")
-    if args.warmup < 0:
-        raise CLIError(f"--warmup {args.warmup} is negative")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads {args.threads}: need at least 1")
-    for option, value in (("--target", args.target), ("--drafter", getattr(args, "drafter", None))):
-        if value and _looks_like_path(value) and not Path(value).expanduser().exists():
-            raise CLIError(f"{option} {value}: no such folder (give a local model folder or a Hub id like org/name)")
-        if value and Path(value).expanduser().is_dir() and not (Path(value).expanduser() / "config.json").is_file():
-            raise CLIError(f"{option} {value}: this folder holds no config.json, so it is not a saved model (give "
-                           "the folder save_pretrained() wrote, or a Hub id like org/name)")
-    # Output paths are checked now, not after a run of hours: the results would be lost.
-    _check_output_path("--json", getattr(args, "json", None), folder=False)
-    _check_output_path("--plots", getattr(args, "plots", None), folder=True)
-
-
-def _check_output_path(option: str, value: str | None, folder: bool) -> None:
-    """`value` can be written: a file (or, with `folder`, a folder) that is not the other kind, below a folder that
-    exists and is writable or can be created in one."""
-    if value is None:
-        return
-    path = Path(value).expanduser()
-    if folder and path.exists() and not path.is_dir():
-        raise CLIError(f"{option} {value}: this is a file; give a folder for the output")
-    if not folder and path.is_dir():
-        raise CLIError(f"{option} {value}: this is a folder; give a file name, e.g. {path / 'results.json'}")
-    existing = path if folder and path.is_dir() else path.parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CLIError(f"{option} {value}: {existing} is a file, so no folder can be made there; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
-        raise CLIError(f"{option} {value}: no permission to write in {existing}; choose a writable path")
-
-
-def write_results(report: dict[str, Any], json_path: str | None, plots_dir: str | None = None) -> None:
-    """Write a finished run's report to --json (and plots to --plots). Should that fail even though the paths were
-    checked at start-up (the disk filled up, a folder was moved), the report goes to a file in the temp folder and
-    the error says where (exit code 1): a finished run is never lost."""
-    saved, failed = None, None
-    if json_path is not None:
-        try:
-            saved = _write_json(report, Path(json_path).expanduser())
-        except OSError as err:
-            failed = f"--json {json_path} ({err.strerror or err})"
-    if plots_dir is not None and failed is None:
-        try:
-            for path in write_plots(report, plots_dir):
-                _log(f"wrote {path}")
-        except OSError as err:
-            failed = f"--plots {plots_dir} ({err.strerror or err})"
-    if failed is None:
-        return
-    if saved is None:
-        handle, name = tempfile.mkstemp(prefix="dcoco-hf-results-", suffix=".json")
-        os.close(handle)
-        saved = _write_json(report, Path(name))
-    raise CLIError(f"could not write {failed}; the finished run's results are saved in {saved}", exit_code=1)
-
-
-def _write_json(report: dict[str, Any], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    _log(f"wrote {path}")
-    return path
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def _looks_like_path(value: str) -> bool:
-    """True for things that can only be a filesystem path, not a Hub id ("org/name")."""
-    return value.startswith((".", "/", "~")) or value.count("/") > 1 or (os.sep != "/" and os.sep in value)
-
-
-def default_drafter_path() -> Path:
-    """The drafter shipped with the package: `<repo>/model_cards/dcoco-smollm2-135m` next to a source checkout, or
-    `dcoco_hf/model_cards/...` inside an installed package."""
-    package_dir = Path(__file__).resolve().parent
-    candidates = [folder / "model_cards" / DEFAULT_DRAFTER_NAME for folder in (package_dir.parent, package_dir)]
-    for folder in candidates:
-        if (folder / "config.json").is_file():
-            return folder
-    raise CLIError(
-        f"the default drafter is missing: no {DEFAULT_DRAFTER_NAME} folder with a config.json at "
-        f"{' or '.join(str(c) for c in candidates)}. Pass --drafter FOLDER (or a Hub id) holding a DCOCO/DFlash "
-        "drafter trained for the target.",
-        exit_code=1,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loading models
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Loaded:
-    target: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    drafter: DCOCODrafter | None
-    target_name: str
-    drafter_name: str | None
-    device: torch.device
-    dtype: torch.dtype
-    attn: str
-
-    @property
-    def dtype_name(self) -> str:
-        """"float32", "bfloat16", ...: how run records and messages name the dtype."""
-        return str(self.dtype).removeprefix("torch.")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise CLIError(f"--device {name!r} is not a device ({err}); use cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {name}: this torch build sees no CUDA GPU; use --device cpu", exit_code=1)
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """On a GPU FlashAttention 2 when the flash_attn package is importable and the dtype is half, else sdpa (which
-    `attach` turns into sdpa_cpu_gqa on CPU, unless --attn was given)."""
-    has_flash = importlib.util.find_spec("flash_attn") is not None
-    if requested == "flash_attention_2" and (device.type != "cuda" or not has_flash):
-        raise CLIError(
-            "--attn flash_attention_2 needs a CUDA device and the flash_attn package (pip install flash-attn); "
-            "use --attn sdpa otherwise"
-        )
-    if requested is not None:
-        return requested
-    if device.type == "cuda" and has_flash and dtype in (torch.bfloat16, torch.float16):
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def load_models(
-    args: argparse.Namespace, need_drafter: bool, batch: int = 1, methods: Sequence[str] = ("dcoco",),
-    choose_block: bool = True,
-) -> Loaded:
-    """Target (and drafter, attached and tuned for this device: `attach_drafter`), on the device, in the dtype and
-    attention of `args`."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    attn = resolve_attn(args.attn, device, dtype)
-    quantization = quantization_config(getattr(args, "quantize", "none"), dtype)
-    drafter_spec = None
-    if need_drafter:  # find the drafter before the slow target load, so a missing one fails at once
-        drafter_spec = args.drafter or str(default_drafter_path())
-    target, tokenizer, target_name = load_target(args.target, device, dtype, attn, quantization)
-    drafter = None
-    if need_drafter:
-        drafter = load_drafter(drafter_spec, device, dtype, attn)
-        attach_drafter(args, target, drafter, methods, batch, choose_block)
-    return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
-
-
-def tune_options(args: argparse.Namespace, batch: int = 1) -> dict[str, Any]:
-    """`attach`'s tuning options from the command line: --plain-linear and an explicit --attn turn the CPU measures
-    off; `batch` sequences share each verify forward."""
-    return {"few_rows_linear": not args.plain_linear, "gqa_attention": args.attn is None, "batch_size": batch,
-            "refresh": args.retune}
-
-
-def quantization_config(name: str, dtype: torch.dtype) -> BitsAndBytesConfig | None:
-    """--quantize as a `BitsAndBytesConfig` (None for "none"), checked before anything is loaded.
-
-    8-bit quantizes every activation row on its own, without LLM.int8()'s outlier columns (`llm_int8_threshold`
-    0): those are picked per forward over all of its rows, so a row of a verify forward would compute differently
-    than the same row in a 1-token step, and greedy output could part from plain generate(). 4-bit uses nf4 (the
-    usual choice for LLM weights) and computes in the run's dtype, so the drafter beside it matches."""
-    if name == "none":
-        return None
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise CLIError(
-            f"--quantize {name} needs the bitsandbytes package (0.48 or newer runs on CPU too): pip install "
-            "'dcoco-hf[bnb]', or drop --quantize",
-            exit_code=1,
-        )
-    if name == "8bit":
-        # On CPU bitsandbytes logs its float16 cast of the activations on every 8-bit product.
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-
-
-def load_target(
-    spec: str | None,
-    device: torch.device,
-    dtype: torch.dtype,
-    attn: str,
-    quantization: BitsAndBytesConfig | None = None,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    name = spec or str(default_target_path())
-    _log(f"loading target {name} ({dtype}, {attn}{'' if quantization is None else ', bitsandbytes'}) on {device}")
-    # bitsandbytes quantizes while loading onto the device; transformers refuses to move an 8-bit model afterwards.
-    placement = {} if quantization is None else {"quantization_config": quantization, "device_map": {"": device}}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn, **placement)
-    except OSError as err:
-        raise CLIError(f"could not load the target {name!r}: {err}", exit_code=1) from None
-    except ValueError as err:  # a folder with a config.json but no causal LM or no tokenizer in it
-        raise CLIError(
-            f"--target {name}: not a causal LM with its tokenizer ({_first_line(err)}); give a folder that "
-            "save_pretrained() of an AutoModelForCausalLM and its tokenizer wrote, or a Hub id"
-        ) from None
-    if quantization is None:
-        model = model.to(device)
-    else:
-        _log(f"target quantized: {describe_quantization(model)}")
-    return model.eval(), tokenizer, name
-
-
-def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str) -> DCOCODrafter:
-    _log(f"loading drafter {spec}")
-    try:
-        drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn)
-    except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
-        raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
-    except RuntimeError as err:
-        if "mismatched_sizes" not in str(err):  # transformers' refusal of weights shaped unlike the config
-            raise
-        raise CLIError(
-            f"could not load the drafter {spec}: its config.json does not match the weights saved with it (shapes "
-            "differ; transformers logs which). Restore the config.json saved with these weights, or re-save the "
-            "drafter with save_pretrained()",
-            exit_code=1,
-        ) from None
-    return drafter.to(device).eval()
-
-
-def _log(message: str) -> None:
-    print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# generate
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    _check_common(args)
+    check_arguments(args)
     loaded = load_models(args, need_drafter=True)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     input_ids = encode_prompt(loaded.tokenizer, args.prompt).to(loaded.device)
     with closing(MethodRunner(loaded.target, loaded.drafter, settings)) as runner:
         if args.warmup:
-            _log("warming up")
+            log("warming up")
             for _ in range(args.warmup):
                 for method in ("dcoco", "vanilla"):
                     runner.run(method, "warmup", 0, input_ids, max_new_tokens=min(8, args.max_new_tokens))
         streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
         dcoco = runner.run("dcoco", "prompt", 0, input_ids, streamer=streamer)
-        _log("running plain generate() on the same prompt for comparison")
+        log("running plain generate() on the same prompt for comparison")
         plain = runner.run("vanilla", "prompt", 0, input_ids)
     print()
     identical = dcoco.output == plain.output
@@ -548,101 +203,8 @@ def generate_summary(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
-    """The prompt selection both benches share (--suite, --prompts, --limit, --skip), read by `collect_prompts`."""
-    parser.add_argument("--suite", default=None,
-                        help=f"comma-separated prompt suites from {','.join(SUITES)} (default: "
-                        f"{DEFAULT_SUITES} unless --prompts is given)")
-    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                        help='extra prompts, one {"prompt": "..."} object per line; reported as a suite named after '
-                        "the file")
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite (after --skip)")
-    parser.add_argument("--skip", type=int, default=0,
-                        help="leave out the first N prompts of each suite: --skip 20 --limit 20 runs prompts 21-40, "
-                        "disjoint from a --limit 20 run (to confirm on prompts a choice was not made on)")
-
-
-def collect_prompts(args: argparse.Namespace) -> list[PromptItem]:
-    """Prompt items of the requested suites and/or file, --skip then --limit applied per suite."""
-    if args.limit is not None and args.limit < 1:
-        raise CLIError(f"--limit {args.limit}: need at least 1 prompt per suite")
-    if args.skip < 0:
-        raise CLIError(f"--skip {args.skip}: the number of prompts to leave out cannot be negative")
-    suites: dict[str, list[str]] = {}
-    if args.prompts is not None:
-        path = Path(args.prompts).expanduser()
-        if not path.is_file():
-            raise CLIError(f'--prompts {args.prompts}: no such file (expected a .jsonl file with a "prompt" per line)')
-        try:
-            suites[path.stem] = load_prompts_file(path)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise CLIError(f"--prompts: {err}") from None
-        if not suites[path.stem]:
-            raise CLIError(f"--prompts {args.prompts} holds no prompts")
-    names = parse_suites(args.suite) if args.suite is not None else ([] if suites else parse_suites(DEFAULT_SUITES))
-    for name in names:
-        if name in suites:
-            raise CLIError(f"the prompts file {args.prompts} has the same name as suite {name!r}; rename the file")
-        try:
-            suites[name] = suite_prompts(name)
-        except RuntimeError as err:  # the wheel download failed; assets explains why
-            raise CLIError(f"could not fetch suite {name!r}: {err}", exit_code=1) from None
-    for name, texts in suites.items():
-        if args.skip >= len(texts):
-            raise CLIError(f"--skip {args.skip} leaves no prompt of suite {name!r}, which has {len(texts)}")
-    end = None if args.limit is None else args.skip + args.limit
-    return [
-        PromptItem(suite, index, text)
-        for suite, texts in suites.items()
-        for index, text in enumerate(texts[args.skip : end], start=args.skip)
-    ]
-
-
-def named_block_sizes(methods: Sequence[str]) -> list[int]:
-    """The block sizes `methods` name: "vanilla,dcoco@3,dcoco@4,dcoco" -> [3, 4]."""
-    return [size for size in (split_method(m)[1] for m in methods) if size is not None]
-
-
-def attach_drafter(
-    args: argparse.Namespace,
-    target: PreTrainedModel,
-    drafter: DCOCODrafter,
-    methods: Sequence[str] = ("dcoco",),
-    batch: int = 1,
-    choose_block: bool = True,
-) -> None:
-    """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, then attach it to the
-    target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/tuning.py) for every block
-    the run may draft. Unsuffixed drafter methods draft the --block-size given, or with auto (the default where the
-    drafter records block_tau, when `choose_block`) the one of highest recorded tau per cycle timed here."""
-    named = named_block_sizes(methods)
-    requested = getattr(args, "block_size", None)
-    if named and requested is not None:
-        raise CLIError(
-            f"--block-size {requested} with block sizes in --methods: use one or the other (--block-size sets "
-            "one block for every drafter method; dcoco@3,dcoco@4 compares blocks on the same prompts)"
-        )
-    recorded = drafter.config.block_tau is not None
-    if requested == "auto" and not recorded:
-        raise CLIError(
-            "--block-size auto: this drafter records no block_tau to weigh cycle times against; give a block size, "
-            "or record tau per block size from a bench (scripts/record_block_tau.py)"
-        )
-    unsuffixed = any(m in DRAFTER_METHODS for m in methods)  # "dcoco" drafts the chosen block, "dcoco@3" its own
-    auto = choose_block and unsuffixed and (requested == "auto" or (requested is None and recorded))
-    block = "auto" if auto else requested if isinstance(requested, int) else drafter.config.block_size
-    try:
-        for size in named:
-            check_block_size(drafter, size)
-        drafter.attach(target, block_size=block, extra_block_sizes=named, **tune_options(args, batch))
-    except ValueError as err:
-        raise CLIError(f"the drafter does not fit the target or the block sizes asked for: {err}") from None
-    if drafter.tuning.block_choice is not None:
-        _log(f"block size {drafter.config.block_size} chosen:\n{drafter.tuning.block_choice.summary()}")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    _check_common(args)
+    check_arguments(args)
     methods = parse_methods(args.methods)
     if args.plots is not None:  # checked now rather than after a long benchmark
         try:
@@ -665,7 +227,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         static_cache=args.cache == "static",
     )
-    _log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
+    log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
     records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
     config = run_config(args, loaded, methods, prompts, block_size, config_block, choice)
     report = build_report(records, methods, config)

@@ -24,11 +24,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.utils import cached_file
 
 from .block_choice import check_block_size
+from .cli_common import CLIError, default_drafter_path, load_target
 from .modeling_dcoco import DCOCODrafter, check_compatible
 
 FORMATS = ("dflash",)
@@ -62,7 +61,7 @@ def export_dflash(
         source: where the drafter came from, named in the card.
     """
     tensors = backbone_tensors(drafter, dtype)
-    config = dflash_config(drafter, block_size)
+    config = dflash_config(drafter, block_size, dtype)
     if draft_vocab:
         tensors.update(draft_vocab_tensors(drafter, dtype))
         config["draft_vocab_size"] = int(drafter.draft_token_ids.numel())
@@ -110,21 +109,7 @@ def draft_vocab_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None)
             "lm_head.weight": weight.detach().to("cpu", dtype or drafter.fc.weight.dtype)}
 
 
-def adopt_d2t(drafter: DCOCODrafter, source: str | Path, info: dict) -> list[str]:
-    """`DCOCODrafter.from_pretrained` of a DFlash folder whose config names a draft vocabulary: set it from the
-    folder's `d2t` (draft id i proposes target token i + d2t[i]). Returns the keys still missing."""
-    missing = [k for k in info["missing_keys"] if k != "draft_token_ids"]
-    path = cached_file(str(source), "model.safetensors")
-    with safe_open(path, "pt") as file:
-        names = set(file.keys())  # a safetensors file handle, not a dict
-        if "d2t" not in names:
-            return list(info["missing_keys"])  # neither our buffer nor d2t: the caller's error names it
-        d2t = file.get_tensor("d2t").long()
-    drafter.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t)
-    return missing
-
-
-def dflash_config(drafter: DCOCODrafter, block_size: int | None = None) -> dict:
+def dflash_config(drafter: DCOCODrafter, block_size: int | None = None, dtype: torch.dtype | None = None) -> dict:
     """config.json of the export: the Qwen3 backbone fields, `block_size` and `dflash_config`."""
     cfg = drafter.config
     if cfg.mask_token_id is None:
@@ -144,7 +129,7 @@ def dflash_config(drafter: DCOCODrafter, block_size: int | None = None) -> dict:
         "tie_word_embeddings": False, "layer_types": list(cfg.layer_types),
         "num_target_layers": cfg.num_target_layers, "block_size": block_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
-        "torch_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
     }
     if rope.get("rope_type", "default") != "default":  # older engines read scaled RoPE from `rope_scaling`
         config["rope_scaling"] = rope
@@ -226,12 +211,6 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .cli import (  # the CLI imports this module
-        CLIError,
-        default_drafter_path,
-        load_target,
-    )
-
     source = args.drafter or str(default_drafter_path())
     try:
         drafter = DCOCODrafter.from_pretrained(source)

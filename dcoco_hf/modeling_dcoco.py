@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -38,14 +38,15 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
     rotate_half,
 )
+from transformers.utils import cached_file
 
 from .candidate_generator import DCOCOCandidateGenerator, assisted_stopping_criteria
 from .configuration_dcoco import DCOCOConfig
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
-from .precision import precision_notes
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
+from .precision import precision_notes
 from .tap import TargetTap, decoder_layers
 from .tuning import Tuning, logger, untune
 from .tuning import tune as tune_for_device
@@ -208,7 +209,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     """DFlash backbone + DCOCO corrector. Build with `DCOCODrafter(config)`, `DCOCODrafter.from_target(target)` or
     `from_pretrained(folder)`; bind to its target with `attach(target)`; use as `assistant_model=drafter`."""
 
-    # A DFlash export's draft vocabulary (`d2t` and its lm_head rows, see export.py) is read by `adopt_d2t` instead.
+    # A DFlash export's draft vocabulary (`d2t` and its lm_head rows, see export.py) is read by `_adopt_d2t` instead.
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"^d2t$", r"^t2d$", r"^lm_head\.weight$"]
 
     def __init__(self, config: DCOCOConfig) -> None:
@@ -758,9 +759,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "again."
             ) from error
         if "draft_token_ids" in info.get("missing_keys", ()):  # a DFlash export's draft vocabulary comes as `d2t`
-            from .export import adopt_d2t
-
-            info["missing_keys"] = adopt_d2t(model, args[0] if args else kwargs["pretrained_model_name_or_path"], info)
+            info["missing_keys"] = model._adopt_d2t(args[0] if args else kwargs["pretrained_model_name_or_path"], info)
         missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
         if missing:
             raise ValueError(
@@ -774,6 +773,16 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if is_public_folder(model.config):
             model._adopt_public_lilicorr(info.get("missing_keys", ()))
         return (model, info) if want_info else model
+
+    def _adopt_d2t(self, source: str | os.PathLike, info: dict) -> list[str]:
+        """After loading a DFlash folder whose config names a draft vocabulary (`dcoco_hf.export`, vLLM's layout): set
+        it from the folder's `d2t` (draft column i proposes target token i + d2t[i]). Returns the keys still missing."""
+        with safe_open(cached_file(str(source), "model.safetensors"), "pt") as file:
+            if "d2t" not in set(file.keys()):  # neither our buffer nor d2t: the caller's error names what is missing
+                return list(info["missing_keys"])
+            d2t = file.get_tensor("d2t").long()
+        self.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t)
+        return [k for k in info["missing_keys"] if k != "draft_token_ids"]
 
     def _adopt_public_lilicorr(self, missing_keys: Any) -> None:
         """After loading a public LiLiCorr folder: its head must be complete (a partly fresh head would score a

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.cli import default_drafter_path
+from dcoco_hf.cli_common import default_drafter_path
+
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

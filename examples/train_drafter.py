@@ -16,13 +16,22 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TrainingArguments,
+)
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import chat_input_ids, default_target_path
 from dcoco_hf.training import measure_tau
 from dcoco_hf.training.data import load_shards, regenerate, stdlib_code_prompts
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
+from dcoco_hf.training.trainer import (
+    DrafterCollator,
+    DrafterTrainer,
+    DrafterTrainingModel,
+)
 
 
 def train_stage(drafter, target, records, stage: int, steps: int, output: Path, pad_token_id: int) -> None:

@@ -49,13 +49,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="attach(target, block_size=B) instead of the block attach chooses for this machine")
     parser.add_argument("--json", default=None, help="write per-prompt records and the totals here")
     args = parser.parse_args(argv)
 
     target_path = args.target or default_target_path()
     target = AutoModelForCausalLM.from_pretrained(target_path).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True).attach(target)
+    options = {} if args.block_size is None else {"block_size": args.block_size}
+    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True).attach(target, **options)
 
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     records = []

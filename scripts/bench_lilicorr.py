@@ -36,7 +36,7 @@ from dcoco_hf.bench import (
     rotated,
 )
 from dcoco_hf.block_choice import set_block_size
-from dcoco_hf.cli import (
+from dcoco_hf.cli_common import (
     add_prompt_arguments,
     collect_prompts,
     load_drafter,

@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.training.data import regenerate, self_instruct_exercises, self_instruct_prompts, stdlib_code_prompts
+from dcoco_hf.training.data import (
+    regenerate,
+    self_instruct_exercises,
+    self_instruct_prompts,
+    stdlib_code_prompts,
+)
 
 
 def main() -> None:

@@ -26,7 +26,11 @@ from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import chat_input_ids
 from dcoco_hf.training.data import load_shards
 from dcoco_hf.training.retarget import lora_config_for_drafter, measure_tau
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
+from dcoco_hf.training.trainer import (
+    DrafterCollator,
+    DrafterTrainer,
+    DrafterTrainingModel,
+)
 
 
 def parse_args() -> argparse.Namespace:

@@ -17,7 +17,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.training.data import python_docs_pairs, stdlib_source_pairs, teacher_forced_shards
+from dcoco_hf.training.data import (
+    python_docs_pairs,
+    stdlib_source_pairs,
+    teacher_forced_shards,
+)
 
 
 def main() -> None:

@@ -26,7 +26,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from dcoco_hf.assets import load_default_target
 from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
-from dcoco_hf.cpu_linear import available_layouts, restore_linear, tune_few_rows_layout, use_few_rows_linear
+from dcoco_hf.cpu_linear import (
+    available_layouts,
+    restore_linear,
+    tune_few_rows_layout,
+    use_few_rows_linear,
+)
 
 
 def cache_before(target, context: torch.LongTensor, new_tokens: int) -> DynamicCache:

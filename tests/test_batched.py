@@ -17,7 +17,14 @@ import pytest
 import torch
 from conftest import VOCAB, scrambled
 from sampling_reference import (
-    PROMPT, T, exact_distribution, histogram, iid_tv_quantiles, peaked_target, random_drafter, total_variation,
+    PROMPT,
+    T,
+    exact_distribution,
+    histogram,
+    iid_tv_quantiles,
+    peaked_target,
+    random_drafter,
+    total_variation,
 )
 from transformers import LogitsProcessorList
 

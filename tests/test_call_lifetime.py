@@ -8,7 +8,12 @@ import threading
 import pytest
 import torch
 from conftest import PROMPT_LEN
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from dcoco_hf import speculative_generate
 from dcoco_hf.candidate_generator import cut_at_stop, tokens_before_stop
@@ -169,7 +174,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(fitted, path):
 def test_stop_strings_on_the_default_target_stop_where_plain_generate_does(stop):
     from dcoco_hf import DCOCODrafter
     from dcoco_hf.assets import load_default_target
-    from dcoco_hf.cli import default_drafter_path
+    from dcoco_hf.cli_common import default_drafter_path
 
     target, tokenizer = load_default_target()
     drafter = DCOCODrafter.from_pretrained(default_drafter_path()).attach(target)

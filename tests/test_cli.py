@@ -22,8 +22,15 @@ from conftest import _FITTED, VOCAB, fit_drafter, make_target, scrambled
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from dcoco_hf import DCOCODrafter, cli
-from dcoco_hf.bench import METHODS, Acceptance, BenchSettings, MethodRunner, format_report, rotated
+from dcoco_hf import DCOCODrafter, cli, cli_common
+from dcoco_hf.bench import (
+    METHODS,
+    Acceptance,
+    BenchSettings,
+    MethodRunner,
+    format_report,
+    rotated,
+)
 from dcoco_hf.cpu_linear import LAYOUTS
 from dcoco_hf.plots import PLOT_FILES
 
@@ -424,7 +431,7 @@ def test_auto_block_size(tiny, tmp_path):
 
 
 def test_missing_default_drafter_says_pass_drafter(tiny, monkeypatch):
-    monkeypatch.setattr(cli, "DEFAULT_DRAFTER_NAME", "no-such-drafter")
+    monkeypatch.setattr(cli_common, "DEFAULT_DRAFTER_NAME", "no-such-drafter")
     result = run_cli("bench", "--target", tiny.root / "target", "--prompts", tiny.prompts, "--methods", "dcoco")
     assert result.code == 1
     assert "default drafter is missing" in result.err and "--drafter" in result.err

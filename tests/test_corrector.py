@@ -11,7 +11,15 @@ import torch
 from conftest import scrambled
 from torch.nn import functional as F
 
-from dcoco_hf import ContextBigrams, CorpusBigrams, DCOCOConfig, DCOCOCorrector, prefix_first_walk, select_candidates, viterbi_walk
+from dcoco_hf import (
+    ContextBigrams,
+    CorpusBigrams,
+    DCOCOConfig,
+    DCOCOCorrector,
+    prefix_first_walk,
+    select_candidates,
+    viterbi_walk,
+)
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 

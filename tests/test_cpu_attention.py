@@ -12,7 +12,7 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from conftest import PROMPT_LEN, make_target
 
 from dcoco_hf import CPU_GQA_ATTENTION, speculative_generate
-from dcoco_hf.cli import resolve_attn
+from dcoco_hf.cli_common import resolve_attn
 
 
 @contextmanager

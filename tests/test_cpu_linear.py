@@ -12,7 +12,12 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from dcoco_hf import FewRowsLinear, cpu_linear, restore_linear, use_few_rows_linear
-from dcoco_hf.cpu_linear import LAYOUTS, available_layouts, few_rows_plan, tune_few_rows_layout
+from dcoco_hf.cpu_linear import (
+    LAYOUTS,
+    available_layouts,
+    few_rows_plan,
+    tune_few_rows_layout,
+)
 
 FAST_LAYOUTS = [name for name in available_layouts() if name != "gemm"]
 

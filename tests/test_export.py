@@ -209,11 +209,14 @@ def test_shipped_drafter_exports(tmp_path):
 
 def test_cli_export(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "dcoco_hf", "export", "--format", "dflash", str(tmp_path / "out"), "--block-size", "2"],
+        [sys.executable, "-m", "dcoco_hf", "export", "--format", "dflash", str(tmp_path / "out"), "--block-size", "2",
+         "--export-dtype", "bfloat16"],
         check=False, capture_output=True, text=True, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["block_size"] == 2
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["block_size"] == 2 and config["torch_dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in _tensors(tmp_path / "out").values())
     bad = subprocess.run(
         [sys.executable, "-m", "dcoco_hf", "export", str(tmp_path / "bad"), "--block-size", "12"],
         check=False, capture_output=True, text=True, cwd=REPO,

@@ -99,9 +99,9 @@ def test_attach_casts_the_drafter_and_logs_it(target_dtype, drafter_dtype):
     target, drafter = _fitted()
     target = copy.deepcopy(target).to(target_dtype)
     drafter = copy.deepcopy(drafter).to(drafter_dtype)
-    lines = attach_log(drafter, target)
-    assert lines == [f"drafter cast from {str(drafter_dtype).removeprefix('torch.')} to "
-                     f"{str(target_dtype).removeprefix('torch.')}, the dtype of the target's hidden states"]
+    expected = (f"drafter cast from {str(drafter_dtype).removeprefix('torch.')} to "
+                f"{str(target_dtype).removeprefix('torch.')}, the dtype of the target's hidden states")
+    assert attach_log(drafter, target) == [expected]
     assert all(p.dtype == target_dtype for p in drafter.parameters())
     assert attach_log(drafter, target) == []  # attached again: nothing to cast, nothing said
 

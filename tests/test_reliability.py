@@ -191,12 +191,13 @@ def _one_line_error(result, command: str, *needles: str) -> str:
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fails the test if a command gets as far as loading models (its checks must come first)."""
-    from dcoco_hf import cli
+    from dcoco_hf import cli, cli_common
 
     def refuse(*args, **kwargs):
         raise AssertionError("models were loaded before the arguments were checked")
 
-    monkeypatch.setattr(cli, "load_models", refuse)
+    monkeypatch.setattr(cli, "load_models", refuse)  # bench's
+    monkeypatch.setattr(cli_common, "load_models", refuse)  # bench-batch's
 
 
 def _bench_args(folders, *extra):

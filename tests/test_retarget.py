@@ -17,8 +17,16 @@ from transformers import TrainingArguments
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
-from dcoco_hf.training.retarget import CORRECTOR_LINEARS, lora_config_for_drafter, measure_tau
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
+from dcoco_hf.training.retarget import (
+    CORRECTOR_LINEARS,
+    lora_config_for_drafter,
+    measure_tau,
+)
+from dcoco_hf.training.trainer import (
+    DrafterCollator,
+    DrafterTrainer,
+    DrafterTrainingModel,
+)
 
 NEW_TOKENS = 24
 

@@ -10,12 +10,19 @@ and requires its TV to be far above that floor, so the check has the power to se
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from sampling_reference import (
-    PROMPT, T, V, exact_distribution, histogram, iid_tv_quantiles, peaked_target, random_drafter, total_variation,
+    PROMPT,
+    T,
+    V,
+    exact_distribution,
+    histogram,
+    iid_tv_quantiles,
+    peaked_target,
+    random_drafter,
+    total_variation,
 )
 
 import dcoco_hf.candidate_generator as candidate_generator

@@ -249,12 +249,15 @@ def test_public_dflash_checkpoint(tmp_path, qwen3, variant, monkeypatch):
 
 
 def test_public_dflash_checkpoint_default_dtype(tmp_path, qwen3):
-    """Loaded as published (bf16 weights, `torch_dtype: bfloat16`) next to an fp32 target: still exact."""
+    """Loaded as published (bf16 weights, `torch_dtype: bfloat16`) next to an fp32 target: attach casts it to the
+    target's dtype (every generation path then agrees on one dtype), and the output is exact."""
     config, _ = _dflash_config("dflash_config")
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file(_dflash_tensors(), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    drafter = DCOCODrafter.from_pretrained(tmp_path).attach(qwen3)
+    drafter = DCOCODrafter.from_pretrained(tmp_path)
     assert drafter.dtype == torch.bfloat16
+    drafter.attach(qwen3)
+    assert drafter.dtype == qwen3.dtype == torch.float32
     _greedy_equal(qwen3, drafter, seeds=(3,))
 
 

@@ -13,11 +13,20 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainingArguments
 
 from dcoco_hf import CorpusBigrams, DCOCODrafter
-from dcoco_hf.training import pack_blocks, sample_anchors, target_context, transition_labels
+from dcoco_hf.training import (
+    pack_blocks,
+    sample_anchors,
+    target_context,
+    transition_labels,
+)
 from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import dcoco_loss, successor_loss
 from dcoco_hf.training.objective import drafter_loss, successor_accuracy
-from dcoco_hf.training.trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
+from dcoco_hf.training.trainer import (
+    DrafterCollator,
+    DrafterTrainer,
+    DrafterTrainingModel,
+)
 
 
 def test_block_mask_sees_context_before_anchor_and_own_block_only():
@@ -212,7 +221,11 @@ def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_human
     from transformers import AutoTokenizer
 
     from dcoco_hf import assets
-    from dcoco_hf.training.data import python_docs_pairs, stdlib_source_pairs, teacher_forced_shards
+    from dcoco_hf.training.data import (
+        python_docs_pairs,
+        stdlib_source_pairs,
+        teacher_forced_shards,
+    )
 
     code, docs = stdlib_source_pairs(), python_docs_pairs()
     assert len(code) > 1000 and len(docs) > 100

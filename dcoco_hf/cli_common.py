@@ -1,10 +1,8 @@
-"""The `dcoco-hf` command line (also `python -m dcoco_hf`).
+"""What the `dcoco-hf` commands share: argument checks, prompt selection, loading and tuning the models, errors.
 
-    dcoco-hf generate "Write a haiku about the sea."      # stream a DCOCO answer, then compare with plain generate
-    dcoco-hf bench --suite humaneval,mtbench --limit 10   # all methods, interleaved, table + --json + --plots
-
-Defaults: target SmolLM2-135M-Instruct (built once from its PyPI wheel, see `assets.py`), drafter the one shipped in
-`model_cards/dcoco-smollm2-135m`. Every argument is checked before any model is loaded, so bad input fails at once.
+`cli.py` builds the parser and runs `generate` and `bench`; `batch_bench.py` and `export.py` add their commands. All
+of them import this module and none of them imports another, so the command line has no import cycle. Every argument
+is checked before any model is loaded, so bad input fails at once.
 """
 
 from __future__ import annotations
@@ -14,53 +12,33 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BitsAndBytesConfig,
     PreTrainedModel,
-    TextStreamer,
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from . import __version__
 from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
-from .batch_bench import add_bench_batch_parser
 from .bench import (
     DRAFTER_METHODS,
-    METHODS,
-    BenchSettings,
-    MethodRunner,
     PromptItem,
-    RunRecord,
-    build_report,
     check_block_size,
-    encode_prompt,
-    format_report,
-    greedy_mismatch_reason,
-    run_bench,
     split_method,
 )
-from .block_choice import BlockSizeChoice
 from .cpu_attention import CPU_GQA_ATTENTION
-from .cpu_linear import few_rows_plan
-from .export import add_export_parser
 from .modeling_dcoco import DCOCODrafter
-from .plots import require_matplotlib, write_plots
+from .plots import write_plots
 from .precision import describe_quantization
-from .tuning import cpu_name
 
 DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
 DEFAULT_SUITES = "humaneval,mtbench"
@@ -91,61 +69,7 @@ class CLIError(Exception):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dcoco-hf",
-        description="Lossless speculative decoding for Hugging Face transformers: DFlash drafter + DCOCO corrector.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = _common_options()
-
-    gen = commands.add_parser(
-        "generate",
-        parents=[common],
-        help="stream a DCOCO answer to one prompt, then compare speed and output with plain generate()",
-        description="Streams the DCOCO-accelerated answer, then runs plain generate() on the same prompt and prints "
-        "tau, the measured speedup and whether both outputs are identical.",
-    )
-    gen.add_argument("prompt", help="the user message (sent through the target's chat template)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (default 256)")
-    gen.add_argument("--block-size", type=block_size_arg, default=None, metavar="{B,auto}", help=BLOCK_SIZE_HELP)
-    gen.add_argument("--warmup", type=int, default=1,
-                     help="short untimed runs of both methods first, so one-off start-up costs do not skew the "
-                     "comparison (default 1)")
-    gen.set_defaults(handler=cmd_generate)
-
-    bench = commands.add_parser(
-        "bench",
-        parents=[common],
-        help="benchmark vanilla, prompt lookup, DFlash and DCOCO variants on prompt suites",
-        description="Runs the methods interleaved (for each prompt every method once, order rotated per prompt) "
-        "and reports tokens/s, speedup over vanilla, tau, acceptance and (greedy) exactness.",
-    )
-    bench.add_argument("--methods", default=",".join(METHODS),
-                       help=f"comma-separated subset of {','.join(METHODS)} (default: all); a drafter method "
-                       "with @B drafts blocks of B, so dcoco@3,dcoco@4,dcoco@5 compares block sizes interleaved on "
-                       "the same prompts (DScout's tau / cycle time)")
-    add_prompt_arguments(bench)
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
-    bench.add_argument("--block-size", type=block_size_arg, default=None, metavar="{B,auto}",
-                       help=BLOCK_SIZE_HELP + "; to compare several, name them in --methods (dcoco@3,dcoco@4)")
-    bench.add_argument("--full-vocab", action="store_true",
-                       help="propose from the whole vocabulary even if the drafter has a draft vocabulary (to measure "
-                       "what the draft vocabulary saves; outputs are identical either way)")
-    bench.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
-                       help="target KV cache: dynamic (default) or static (the GPU/torch.compile path)")
-    bench.add_argument("--warmup", type=int, default=1,
-                       help="untimed rounds of every method before measuring (default 1)")
-    bench.add_argument("--json", default=None, metavar="OUT.json", help="write the full results as JSON")
-    bench.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
-    bench.set_defaults(handler=cmd_bench)
-
-    add_bench_batch_parser(commands, common)
-    add_export_parser(commands, common)
-    return parser
-
-
-def _common_options() -> argparse.ArgumentParser:
+def common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=None,
                         help="target model: local folder or Hub id (default: SmolLM2-135M-Instruct from PyPI)")
@@ -164,10 +88,10 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
     common.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
-                        help="load the target with bitsandbytes: 8bit (int8 rows, no outlier columns, so greedy "
-                        "output stays token-exact) or 4bit (nf4, computing in the run's dtype); needs pip install "
-                        "'dcoco-hf[bnb]'. Outputs are compared with plain generate() of the same quantized target "
-                        "(default none; see docs/quantized.md)")
+                        help="load the target with bitsandbytes: 8bit (int8 rows without LLM.int8()'s outlier "
+                        "columns) or 4bit (nf4, computing in the run's dtype); needs pip install 'dcoco-hf[bnb]'. "
+                        "Outputs are compared with plain generate() of the same quantized target; greedy ones can "
+                        "part at near-ties, as in half precision (default none; see docs/quantized.md)")
     common.add_argument("--retune", action="store_true",
                         help="measure the CPU layouts and the block size again instead of reading them from the "
                         "cache of an earlier run on this machine (~/.cache/dcoco-hf/tuning), e.g. when that run's "
@@ -178,22 +102,6 @@ def _common_options() -> argparse.ArgumentParser:
                         "verify and draft forwards cheaper (dcoco_hf/cpu_linear.py); plain decoding is identical "
                         "either way")
     return common
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `dcoco-hf` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return args.handler(args)
-    except CLIError as err:
-        print(f"dcoco-hf {args.command}: error: {err}", file=sys.stderr)
-        return err.exit_code
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Checks that need no model
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def block_size_arg(text: str) -> int | str:
@@ -209,19 +117,6 @@ def block_size_arg(text: str) -> int | str:
     return size
 
 
-def parse_methods(text: str) -> list[str]:
-    """Method names, each from METHODS, a drafter method optionally with a block size ("dcoco@3")."""
-    methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    try:
-        unknown = [m for m in methods if split_method(m)[0] not in METHODS]
-    except ValueError as err:
-        raise CLIError(f"--methods: {err}") from None
-    if unknown or not methods:
-        raise CLIError(f"unknown method(s) {unknown or [text]} in --methods; choose from {','.join(METHODS)} (a "
-                       "drafter method may name a block size, e.g. dcoco@3)")
-    return methods
-
-
 def parse_suites(text: str) -> list[str]:
     suites = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     unknown = [s for s in suites if s not in SUITES]
@@ -230,7 +125,7 @@ def parse_suites(text: str) -> list[str]:
     return suites
 
 
-def _check_common(args: argparse.Namespace) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 2:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens to draft")
     if args.temperature < 0:
@@ -282,7 +177,7 @@ def write_results(report: dict[str, Any], json_path: str | None, plots_dir: str 
     if plots_dir is not None and failed is None:
         try:
             for path in write_plots(report, plots_dir):
-                _log(f"wrote {path}")
+                log(f"wrote {path}")
         except OSError as err:
             failed = f"--plots {plots_dir} ({err.strerror or err})"
     if failed is None:
@@ -297,7 +192,7 @@ def write_results(report: dict[str, Any], json_path: str | None, plots_dir: str 
 def _write_json(report: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    _log(f"wrote {path}")
+    log(f"wrote {path}")
     return path
 
 
@@ -416,9 +311,11 @@ def quantization_config(name: str, dtype: torch.dtype) -> BitsAndBytesConfig | N
     """--quantize as a `BitsAndBytesConfig` (None for "none"), checked before anything is loaded.
 
     8-bit quantizes every activation row on its own, without LLM.int8()'s outlier columns (`llm_int8_threshold`
-    0): those are picked per forward over all of its rows, so a row of a verify forward would compute differently
-    than the same row in a 1-token step, and greedy output could part from plain generate(). 4-bit uses nf4 (the
-    usual choice for LLM weights) and computes in the run's dtype, so the drafter beside it matches."""
+    0): those are picked per forward over all of its rows, so each row of a verify forward would be computed with
+    its neighbours' outlier columns, unlike the same row in a 1-token step (logits up to 0.87 apart on SmolLM2-135M
+    against 4e-5 without them), and on CPU they cost 1.8x per step. 4-bit uses nf4 (the usual choice for LLM
+    weights) and computes in the run's dtype, so the drafter beside it matches. Either way bitsandbytes rounds each
+    activation row (to float16 and int8, or bfloat16), so greedy paths can still part at near-ties."""
     if name == "none":
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -442,7 +339,7 @@ def load_target(
     quantization: BitsAndBytesConfig | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     name = spec or str(default_target_path())
-    _log(f"loading target {name} ({dtype}, {attn}{'' if quantization is None else ', bitsandbytes'}) on {device}")
+    log(f"loading target {name} ({dtype}, {attn}{'' if quantization is None else ', bitsandbytes'}) on {device}")
     # bitsandbytes quantizes while loading onto the device; transformers refuses to move an 8-bit model afterwards.
     placement = {} if quantization is None else {"quantization_config": quantization, "device_map": {"": device}}
     try:
@@ -458,12 +355,12 @@ def load_target(
     if quantization is None:
         model = model.to(device)
     else:
-        _log(f"target quantized: {describe_quantization(model)}")
+        log(f"target quantized: {describe_quantization(model)}")
     return model.eval(), tokenizer, name
 
 
 def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str) -> DCOCODrafter:
-    _log(f"loading drafter {spec}")
+    log(f"loading drafter {spec}")
     try:
         drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn)
     except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
@@ -480,71 +377,12 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str)
     return drafter.to(device).eval()
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # generate
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    _check_common(args)
-    loaded = load_models(args, need_drafter=True)
-    settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    input_ids = encode_prompt(loaded.tokenizer, args.prompt).to(loaded.device)
-    with closing(MethodRunner(loaded.target, loaded.drafter, settings)) as runner:
-        if args.warmup:
-            _log("warming up")
-            for _ in range(args.warmup):
-                for method in ("dcoco", "vanilla"):
-                    runner.run(method, "warmup", 0, input_ids, max_new_tokens=min(8, args.max_new_tokens))
-        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        dcoco = runner.run("dcoco", "prompt", 0, input_ids, streamer=streamer)
-        _log("running plain generate() on the same prompt for comparison")
-        plain = runner.run("vanilla", "prompt", 0, input_ids)
-    print()
-    identical = dcoco.output == plain.output
-    block = loaded.drafter.config.block_size
-    quantization = describe_quantization(loaded.target)
-    print(generate_summary(dcoco, plain, identical, settings.greedy, loaded.dtype_name, block, quantization))
-    return 0
-
-
-def generate_summary(
-    dcoco: RunRecord,
-    plain: RunRecord,
-    identical: bool,
-    greedy: bool,
-    dtype: str,
-    block_size: int,
-    quantization: str | None = None,
-) -> str:
-    """The lines printed after the streamed answer."""
-
-    def speed(record: RunRecord) -> str:
-        rate = record.new_tokens / record.seconds
-        return f"{record.new_tokens} new tokens in {record.seconds:.2f} s ({rate:.1f} tok/s)"
-
-    tau = dcoco.new_tokens / max(dcoco.acceptance.target_forwards, 1)
-    accepted = dcoco.acceptance.accepted
-    mean = sum(accepted) / len(accepted) if accepted else 0.0
-    if greedy:
-        same = "yes" if identical else f"NO ({greedy_mismatch_reason(dtype, quantization)})"
-    else:
-        same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
-    return "\n".join([
-        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} (blocks of {block_size}: {mean:.2f} drafted tokens accepted "
-        "per verification)",
-        f"plain generate: {speed(plain)}",
-        f"speedup {dcoco.new_tokens / dcoco.seconds / (plain.new_tokens / plain.seconds):.2f}x over plain generate "
-        f"(tokens/s, same run); outputs identical: {same}",
-    ])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# bench
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -638,94 +476,4 @@ def attach_drafter(
     except ValueError as err:
         raise CLIError(f"the drafter does not fit the target or the block sizes asked for: {err}") from None
     if drafter.tuning.block_choice is not None:
-        _log(f"block size {drafter.config.block_size} chosen:\n{drafter.tuning.block_choice.summary()}")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    _check_common(args)
-    methods = parse_methods(args.methods)
-    if args.plots is not None:  # checked now rather than after a long benchmark
-        try:
-            require_matplotlib()
-        except ImportError as err:
-            raise CLIError(str(err), exit_code=1) from None
-    prompts = collect_prompts(args)
-    need_drafter = bool(DRAFTER_METHODS & {split_method(m)[0] for m in methods})
-    loaded = load_models(args, need_drafter=need_drafter, methods=methods)
-    tuning = loaded.drafter.tuning if loaded.drafter is not None else None
-    config_block = tuning.configured_block_size if tuning is not None else None
-    choice = tuning.block_choice if tuning is not None else None
-    block_size = loaded.drafter.config.block_size if loaded.drafter is not None else None
-    if args.full_vocab and loaded.drafter is not None:
-        loaded.drafter.set_draft_vocabulary(None)
-    settings = BenchSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        warmup=args.warmup,
-        seed=args.seed,
-        static_cache=args.cache == "static",
-    )
-    _log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
-    records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
-    config = run_config(args, loaded, methods, prompts, block_size, config_block, choice)
-    report = build_report(records, methods, config)
-    print(format_report(report))
-    write_results(report, args.json, args.plots)
-    return 0
-
-
-def run_config(
-    args: argparse.Namespace,
-    loaded: Loaded,
-    methods: Sequence[str],
-    prompts: Sequence[PromptItem],
-    block_size: int | None,
-    config_block: int | None,
-    choice: BlockSizeChoice | None = None,
-) -> dict[str, Any]:
-    """Everything needed to reproduce or compare a run."""
-    suites: dict[str, int] = {}
-    for item in prompts:
-        suites[item.suite] = suites.get(item.suite, 0) + 1
-    drafter = loaded.drafter
-    return {
-        "command_line": ["dcoco-hf", *args.argv],
-        "target": loaded.target_name,
-        "drafter": loaded.drafter_name,
-        "methods": list(methods),
-        "suites": suites,
-        "limit": args.limit,
-        "skip": args.skip,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "warmup": args.warmup,
-        "block_size": block_size,
-        "config_block_size": config_block,
-        "block_size_choice": None if choice is None else {
-            str(size): {"recorded_tau": choice.tau[size], "cycle_ms": 1e3 * choice.cycle_seconds[size]}
-            for size in sorted(choice.tau)
-        },
-        "top_k": drafter.config.top_k if drafter is not None else None,
-        "draft_vocab_size": drafter.config.draft_vocab_size if drafter is not None else None,
-        "selection": drafter.config.selection if drafter is not None else None,
-        "device": str(loaded.device),
-        "device_name": (
-            torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else cpu_name()
-        ),
-        "dtype": loaded.dtype_name,
-        "quantization": describe_quantization(loaded.target),
-        "attn_implementation": loaded.target.config._attn_implementation,
-        "cache": args.cache,
-        "few_rows_linear": few_rows_plan(loaded.target),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "dcoco_hf": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-__all__ = ["CLIError", "build_parser", "default_drafter_path", "main"]
+        log(f"block size {drafter.config.block_size} chosen:\n{drafter.tuning.block_choice.summary()}")

@@ -1,0 +1,403 @@
+"""`DCOCOCandidateGenerator`: the speculation engine behind `target.generate(..., assistant_model=drafter)`.
+
+One engine lives exactly as long as one target `generate()` call and holds all its state: the target hidden-state
+capture, the drafter's context cache and the statistics. It reaches `generate()` through transformers' public
+assisted-generation path (the drafter's `generate()` is called once per cycle, see `DCOCODrafter.generate`), so
+neither transformers nor the target's class is patched.
+
+Target hidden states come from forward hooks on the target's decoder layers (`TargetTap`): they are exactly the
+states of the target's own verification forwards. A forward's rows become drafter context only where its token ids
+agree with the committed sequence and lie strictly before the anchor, so rejected drafts, new prompts and multi-turn
+continuations take care of themselves.
+
+Lossless by construction: the target verifies every proposal. The proposal is deterministic, so its "draft
+distribution" is a point mass, and we hand transformers ONE-HOT logits; its speculative sampling then accepts with
+probability q_target(y) and resamples from q_target restricted to v != y, which is exact (DCOCO appendix G).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
+
+from .context_cache import DraftContextCache
+
+if TYPE_CHECKING:
+    from .modeling_dcoco import DCOCODrafter, DraftProposal
+
+
+@dataclass
+class DCOCOStats:
+    """Per-call statistics: tau = committed tokens per target forward (accepted drafts + the target's own token)."""
+
+    block_size: int
+    top_k: int
+    cycles: int = 0
+    committed_tokens: int = 0
+    target_forwards: int = 0
+    accepted: list[int] = field(default_factory=list)
+    drafter_seconds: float = 0.0
+    corrector_seconds: float = 0.0
+    target_seconds: float = 0.0
+    # per drafted slot (1..S): cycles whose slot was proposed / accepted / whose committed token was top-1 / top-K
+    slot_proposed: list[int] = field(default_factory=list)
+    slot_accepted: list[int] = field(default_factory=list)
+    slot_top1: list[int] = field(default_factory=list)
+    slot_topk: list[int] = field(default_factory=list)
+    slot_seen: list[int] = field(default_factory=list)
+    # per drafted slot s: cycles whose committed tokens at slots 1..s were all top-1 / all inside the top-K / top-1
+    # at slot 1 and inside the top-K after it (the most the paper's prefix-first walk can reach)
+    prefix_top1: list[int] = field(default_factory=list)
+    prefix_topk: list[int] = field(default_factory=list)
+    prefix_walk: list[int] = field(default_factory=list)
+
+    _SLOT_FIELDS = ("slot_proposed", "slot_accepted", "slot_top1", "slot_topk", "slot_seen", "prefix_top1",
+                    "prefix_topk", "prefix_walk")
+
+    def __post_init__(self) -> None:
+        slots = self.block_size - 1
+        for name in self._SLOT_FIELDS:
+            if not getattr(self, name):
+                setattr(self, name, [0] * slots)
+
+    @property
+    def tau(self) -> float:
+        return self.committed_tokens / max(self.target_forwards, 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted) / max(len(self.accepted), 1)
+
+    def accept_hist(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted).items()))
+
+    def prefix_tau(self, runs: str) -> float | None:
+        """Tokens per verify these cycles would commit if each kept its longest run of right slots, counting a slot
+        right when the committed token was
+        - "top1": the drafter's top-1 (what argmax drafting of the same blocks earns);
+        - "topk": anywhere in its top-K (the ceiling of every walk over these candidates, a perfect corrector's);
+        - "walk": the top-1 at slot 1 and anywhere in the top-K after it (the ceiling of the paper's prefix-first
+          walk, which only re-selects successors).
+        """
+        prefixes = {"top1": self.prefix_top1, "topk": self.prefix_topk, "walk": self.prefix_walk}
+        if runs not in prefixes:
+            raise ValueError(f"runs={runs!r} is unknown; choose one of {sorted(prefixes)}.")
+        prefix = prefixes[runs]
+        if not self.slot_seen or not self.slot_seen[0]:
+            return None
+        return 1 + sum(n / d for n, d in zip(prefix, self.slot_seen) if d)
+
+    def as_dict(self) -> dict[str, Any]:
+        def ratio(num: list[int], den: list[int]) -> list[float | None]:
+            return [n / d if d else None for n, d in zip(num, den)]
+
+        return {
+            "cycles": self.cycles,
+            "committed_tokens": self.committed_tokens,
+            "target_forwards": self.target_forwards,
+            "tau": self.tau,
+            "mean_accepted": self.mean_accepted,
+            "accept_hist": self.accept_hist(),
+            "per_slot_accept": ratio(self.slot_accepted, self.slot_proposed),
+            "coverage_top1": ratio(self.slot_top1, self.slot_seen),
+            "coverage_topk": ratio(self.slot_topk, self.slot_seen),
+            "argmax_prefix_tau": self.prefix_tau("top1"),
+            "topk_ceiling_tau": self.prefix_tau("topk"),
+            "walk_ceiling_tau": self.prefix_tau("walk"),
+            "drafter_seconds": self.drafter_seconds,
+            "corrector_seconds": self.corrector_seconds,
+            "target_seconds": self.target_seconds,
+        }
+
+    def observe_draft(self, drafted: int, accepted: int, committed: int) -> None:
+        """One cycle: `drafted` tokens proposed, the first `accepted` of them taken, `committed` tokens written."""
+        self.cycles += 1
+        self.committed_tokens += committed
+        self.accepted.append(accepted)
+        for slot in range(drafted):
+            self.slot_proposed[slot] += 1
+            self.slot_accepted[slot] += slot < accepted
+
+    def merge(self, other: "DCOCOStats") -> "DCOCOStats":
+        """Sum of two runs' statistics (for benchmark totals)."""
+        merged = DCOCOStats(self.block_size, self.top_k)
+        for name in ("cycles", "committed_tokens", "target_forwards", "drafter_seconds", "corrector_seconds",
+                     "target_seconds"):
+            setattr(merged, name, getattr(self, name) + getattr(other, name))
+        merged.accepted = self.accepted + other.accepted
+        for name in self._SLOT_FIELDS:
+            setattr(merged, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        return merged
+
+
+class DCOCOCandidateGenerator(CandidateGenerator):
+    """Drafts corrected DFlash blocks for one `generate()` call of the drafter's attached target.
+
+    Args:
+        drafter: an attached `DCOCODrafter`.
+        generation_config: the target's generation config (unused beyond validation; kept for the transformers API).
+        selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's config.
+        correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
+    """
+
+    def __init__(
+        self,
+        drafter: "DCOCODrafter",
+        generation_config: Any | None = None,
+        selection: str | None = None,
+        correct: bool = True,
+        stopping_criteria: StoppingCriteriaList | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.target = drafter.target  # raises the clear "not attached" error
+        self.tap = drafter.tap
+        self.selection = selection
+        self.correct = correct
+        # transformers cuts accepted blocks at EOS and max_length itself; the others it checks only per cycle.
+        self.stopping_criteria = StoppingCriteriaList(
+            c for c in stopping_criteria or () if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
+        )
+        self.cache = DraftContextCache()
+        self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
+        self.stats = DCOCOStats(drafter.config.block_size, drafter.config.top_k)
+        self._pending_cycle: tuple[int, int, int, DraftProposal] | None = None  # (len, drafted, forwards, proposal)
+        self._closed_sequence: torch.LongTensor | None = None
+        self._last_committed: torch.LongTensor | None = None
+        self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
+        self._ended: tuple[int, float, list[int]] | None = None  # the tap's counters when the call ended
+        # Phase times on a GPU need a device sync per phase, which stalls it: only when asked (the bench asks).
+        self.timed = bool(getattr(drafter.generation_config, "time_phases", False))
+        self.tap.listen(self, timed=self.timed)
+
+    def get_candidates(
+        self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs: Any
+    ) -> tuple[torch.LongTensor, torch.FloatTensor]:
+        """input_ids [1, L] (committed) -> (candidate ids [1, L + k], one-hot candidate logits [1, k, V])."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"transformers' assisted generation runs one sequence at a time (got batch {input_ids.shape[0]}); "
+                "use dcoco_hf.speculative_generate(target, drafter, input_ids, attention_mask=...) for batches."
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError(
+                "generate(inputs_embeds=...) with a DCOCO drafter is not supported: the drafter reads the target's "
+                "states of known tokens and needs their ids. Pass input_ids (the prompt's token ids) instead."
+            )
+        committed = input_ids[0]
+        self._finish_cycle(committed)
+        context, positions = self._new_context(committed)
+        length = committed.shape[0]
+        block_positions = torch.arange(length - 1, length - 1 + self.drafter.config.block_size, device=input_ids.device)
+        position_ids = torch.cat([positions, block_positions])[None]
+        proposal = self.drafter.propose(
+            committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
+            context_ids=committed[None], timed=self.timed,
+        )
+        limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
+        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :limit], proposal.candidates[0, 0])
+        self.stats.drafter_seconds += proposal.backbone_seconds
+        self.stats.corrector_seconds += proposal.corrector_seconds
+        self._pending_cycle = (length, tokens.shape[1], self.tap.forward_count, proposal)
+        self._last_committed = committed
+        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
+
+    def end_call(self) -> None:
+        """The generate() call is over (returned or raised): stop recording the target, keep the statistics."""
+        if self._ended is None and self.tap.owner is self:
+            self._ended = (self.tap.forward_count, self.tap.seconds, list(self.tap.forward_starts))
+        self.tap.stop(self)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        """DCOCO blocks have a fixed length: nothing to adapt."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.get_output_embeddings().weight.shape[0]
+
+    def close(self, sequences: torch.LongTensor) -> None:
+        """Account for the last cycle, which transformers ends without calling the drafter again.
+
+        Raises if `sequences` did not come from this engine's generate() call (for instance a later call with too
+        few new tokens to draft never consulted the drafter): statistics are never silently attributed to it.
+        """
+        if self._closed_sequence is not None:  # closed already: only the very same sequences may ask again
+            if not torch.equal(sequences[0].to(self._closed_sequence.device), self._closed_sequence):
+                raise RuntimeError(_OTHER_CALL)
+            return
+        self._check_same_call(sequences[0])
+        self._finish_cycle(sequences[0])
+        self._book_coverage(sequences[0])
+        self._closed_sequence = sequences[0].clone()
+        self.stats.target_forwards, self.stats.target_seconds, _ = self._tap_counters()
+        self.end_call()
+
+    def _tap_counters(self) -> tuple[int, float, list[int]]:
+        """(forwards, seconds, first position of each forward) of this call's target forwards so far."""
+        if self._ended is not None:
+            return self._ended
+        return self.tap.forward_count, self.tap.seconds, self.tap.forward_starts
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_context(self, committed: torch.LongTensor) -> tuple[torch.Tensor, torch.LongTensor]:
+        """Rows of the target forwards since the last draft that are committed, before the anchor and not yet in
+        the drafter cache: ([n, n_layers * H], [n])."""
+        anchor_position = committed.shape[0] - 1
+        rows, positions = [], []
+        for forward in self.tap.drain():
+            ids, pos = forward.ids[0].to(committed.device), forward.positions[0].to(committed.device)
+            inside = pos < anchor_position
+            agrees = inside & (committed[pos.clamp(max=anchor_position)] == ids)
+            agreeing = int(agrees.long().cumprod(0).sum())  # a state is valid only if every earlier token agrees
+            fresh = (pos[:agreeing] >= self.context_end).nonzero()
+            if agreeing == 0 or fresh.numel() == 0:
+                continue
+            first = int(fresh[0])
+            rows.append(forward.states[0, first:agreeing])
+            positions.append(pos[first:agreeing])
+            self.context_end = int(pos[agreeing - 1]) + 1
+        width = len(self.drafter.config.target_layer_ids) * self.drafter.config.hidden_size
+        if not rows:
+            device = committed.device
+            return torch.zeros(0, width, device=device, dtype=self.drafter.dtype), committed.new_zeros(0)
+        return torch.cat(rows), torch.cat(positions)
+
+    def _finish_cycle(self, committed: torch.LongTensor) -> None:
+        """Book the previous cycle now that its committed tokens are known."""
+        if self._pending_cycle is None:
+            return
+        length, drafted, forwards_before, proposal = self._pending_cycle
+        self._pending_cycle = None
+        forward_count = self._tap_counters()[0]
+        if forward_count == forwards_before:
+            raise RuntimeError(
+                "The drafter's target ran no forward since the last draft: generate() was called on a different "
+                "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
+                "generate with."
+            )
+        new = committed.shape[0] - length
+        # Every target forward commits one token of its own. Only the first one after the draft verified it; more
+        # follow only at the end of a call, when transformers has stopped drafting (no room left for a draft).
+        accepted = max(0, min(new - (forward_count - forwards_before), drafted))
+        self.stats.observe_draft(drafted, accepted, new)
+        self._slot_candidates.append((length, proposal.candidates[0]))
+
+    def _check_same_call(self, sequence: torch.LongTensor) -> None:
+        forward_count, _, forward_starts = self._tap_counters()
+        length, _, forwards_before, _ = self._pending_cycle or (0, 0, forward_count, None)
+        last = self._last_committed
+        later_starts = forward_starts[forwards_before:]
+        if forwards_before == 0:
+            # The call's first draft precedes its prefill, which verifies it and starts where the prompt cache ends.
+            later_starts = later_starts[1:]
+        same = (
+            last is not None
+            and sequence.shape[0] >= last.shape[0]
+            and torch.equal(sequence[: last.shape[0]].to(last.device), last)
+            and len(later_starts) <= 2
+            and all(start >= last.shape[0] - 1 for start in later_starts)
+        )
+        if not same:
+            raise RuntimeError(_OTHER_CALL)
+
+    def _book_coverage(self, sequence: torch.LongTensor) -> None:
+        """Per slot: was the token finally committed at that position the drafter's top-1, or inside its top-K?"""
+        stats = self.stats
+        for length, candidates in self._slot_candidates:  # candidates [S, K]
+            truth = sequence[length : length + candidates.shape[0]].to(candidates.device)
+            hits = candidates[: truth.shape[0]] == truth[:, None]  # [s, K]
+            top1_run = hits[:, 0].long().cumprod(0)  # [s] 1 while every slot so far was top-1
+            topk_run = hits.any(-1).long().cumprod(0)  # [s] 1 while every slot so far was inside the top-K
+            walk_run = topk_run * hits[0, 0].long()  # [s] the same, with slot 1 the drafter's top-1
+            for slot in range(truth.shape[0]):
+                stats.slot_seen[slot] += 1
+                stats.slot_top1[slot] += bool(hits[slot, 0])
+                stats.slot_topk[slot] += bool(hits[slot].any())
+                stats.prefix_top1[slot] += int(top1_run[slot])
+                stats.prefix_topk[slot] += int(topk_run[slot])
+                stats.prefix_walk[slot] += int(walk_run[slot])
+        self._slot_candidates = []
+
+
+_OTHER_CALL = (
+    "These sequences did not come from the last generate() call that consulted this drafter (a call with fewer than 2 "
+    "new tokens never drafts). Statistics exist only for calls that used the drafter."
+)
+
+
+def tokens_before_stop(criteria: StoppingCriteriaList, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> int:
+    """How many of the proposed `tokens` [1, k] to keep after `input_ids` [1, L]: those before the first one at
+    which a stopping criterion fires.
+
+    transformers' assisted loop checks the criteria once per cycle, after the accepted block, where plain
+    `generate()` checks after every token. Proposing nothing past the first firing position restores plain
+    `generate()`'s behaviour exactly: accepted tokens are a prefix of the proposal, so a criterion can only fire at
+    the block's last token (the target's own), where the loop's check sees it. The cut depends only on the
+    committed text and the proposal, so sampling stays exact too. Criteria see token ids only (scores=None).
+    """
+    if not criteria:
+        return tokens.shape[1]
+    sequence = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
+    length = input_ids.shape[1]
+    for kept in range(tokens.shape[1]):
+        if bool(criteria(sequence[:, : length + kept + 1], None).any()):
+            return kept
+    return tokens.shape[1]
+
+
+def cut_at_stop(
+    criteria: StoppingCriteriaList,
+    input_ids: torch.LongTensor,
+    tokens: torch.LongTensor,
+    first_slot_candidates: torch.LongTensor,
+) -> torch.LongTensor:
+    """The proposal `tokens` [1, k] cut before the first position where a stopping criterion fires (see
+    `tokens_before_stop`); [1, >= 1] since transformers' loop takes no empty proposal.
+
+    When the first token already fires, the proposal becomes slot 1's best candidate (`first_slot_candidates` [K])
+    that does not: if the target accepts it, no stop was skipped; if it rejects it, the target's own token ends the
+    block, where the loop's check sees it. Only criteria that fire whatever the token (`max_time`) keep slot 1.
+    """
+    kept = tokens_before_stop(criteria, input_ids, tokens)
+    if kept > 0:
+        return tokens[:, :kept]
+    for candidate in first_slot_candidates.view(-1, 1, 1).to(tokens.device):  # [K, 1, 1]
+        if tokens_before_stop(criteria, input_ids, candidate) == 1:
+            return candidate
+    return tokens[:, :1]
+
+
+def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | None:
+    """The stopping criteria of the `generate()` call now asking this drafter for candidates, or None.
+
+    transformers hands candidate generators neither the criteria nor the tokenizer that `stop_strings` need; they
+    are a local of `_assisted_decoding` (transformers 5.24), a few frames up the stack from the drafter's
+    `generate()`. Reading them there is the only way to honour custom criteria and stop strings exactly
+    (`tokens_before_stop`); when transformers changes that layout, `DCOCODrafter.generate` refuses stop strings
+    instead of silently running past them.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_assisted_decoding":
+            criteria = frame.f_locals.get("stopping_criteria")
+            return criteria if isinstance(criteria, StoppingCriteriaList) else None
+        frame = frame.f_back
+    return None
+
+
+def one_hot_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.FloatTensor:
+    """Logits of a point-mass proposal: 0 at the proposed token, -inf elsewhere. [B, k] -> [B, k, V]."""
+    logits = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)
+    return logits.scatter_(-1, tokens[..., None], 0.0)

@@ -1,0 +1,329 @@
+"""Configuration of the DCOCO drafter: a DFlash parallel drafter plus the DCOCO contextual corrector.
+
+DFlash (block diffusion drafter) reads hidden states of a few target layers and predicts a whole block in one forward;
+DCOCO ("Contextual Correction of Parallel Drafts for Speculative Decoding", arXiv:2610.12570) re-selects each slot's
+token among its top-K candidates with a transition score between adjacent slots.
+
+The backbone fields are the Qwen3 ones, so public DFlash checkpoints (whose `config.json` says `model_type: qwen3`)
+load into this class. Their DFlash fields may sit at the top level or inside `dflash_config`; both are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from .corrector import WALKS, walk_name
+from .lilicorr import config_from_public
+
+SELECTIONS = WALKS
+CORRECTOR_TYPES = ("dcoco", "lilicorr")
+AUTO_MAP = {
+    "AutoConfig": "configuration_dcoco.DCOCOConfig",
+    "AutoModel": "modeling_dcoco.DCOCODrafter",
+    "AutoModelForCausalLM": "modeling_dcoco.DCOCODrafter",
+}
+
+
+class DCOCOConfig(PreTrainedConfig):
+    r"""
+    Args:
+        vocab_size: vocabulary of the target (the drafter borrows its embedding and lm_head).
+        hidden_size: width of the drafter, equal to the target's hidden size.
+        intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
+        rms_norm_eps, rope_theta, rope_parameters, max_position_embeddings, attention_bias, attention_dropout:
+            Qwen3-style decoder layers of the drafter backbone.
+        block_size: tokens per draft block: the anchor (last committed token) plus `block_size - 1` mask slots.
+        max_block_size: the largest block the drafter was trained to draft, when training covered several sizes
+            (mixed horizons); benchmarks may then draft any size up to it. None: `block_size` is the largest.
+        mask_token_id: token id whose (target) embedding fills the mask slots.
+        target_layer_ids: 0-based target decoder layers whose outputs feed the drafter (`hidden_states[i + 1]`).
+        num_target_layers: number of decoder layers of the target the drafter was built for.
+        top_k: candidates kept per slot by the corrector (K).
+        corrector_rank: width r of the candidate representations and slot-pair state.
+        corrector_hidden: hidden width of the transition MLP (3r + 2 -> corrector_hidden -> 1).
+        selection: how the block is read off the transition scores: "prefix_first" (the paper's walk; "greedy" in
+            older checkpoints), "viterbi" (best global path, paper's control) or "geometric" (global path with
+            transitions weighted by `geometric_lambda ** p`, paper's second control).
+        geometric_lambda: decay of the geometric walk.
+        correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
+            extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
+        context_bigrams: the corrector's MLP also reads whether each candidate pair (a, b) already occurs in the
+            committed text (our extension, dcoco_hf/corrector.py). Needs a corrector trained with it.
+        corpus_bigrams: when set, the corrector's MLP also reads how often each candidate pair was written in the
+            target's training answers; the value is the number of distinct pairs counted, whose counts are stored
+            with the weights (`CorpusBigrams`, our extension). Needs a corrector trained with it. None: off.
+        draft_vocab_size: when set, the drafter proposes only from this many target tokens (a frequency-ranked
+            draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
+            unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
+            draft_vocab_size times cheaper. None: the whole vocabulary.
+        corrector_type: which corrector re-selects the candidates: "dcoco" (the transition MLP, default; every config
+            written before this field loads as "dcoco") or "lilicorr" (`dcoco_hf/lilicorr.py`: one lattice transformer,
+            cosine scores). Both feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
+            loads as "lilicorr".
+        lilicorr_block_size: the largest block (anchor + slots) the LiLiCorr head serves; its slot embedding and
+            slot bias are sized for it. Default: `block_size` when the head is built.
+        lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
+        lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
+            in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
+        block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
+            model card says which). With cycle times timed on the machine at hand it picks the block size of highest
+            tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
+    """
+
+    model_type = "dcoco"
+
+    # Declared fields: typed, and recognised by transformers as model settings (it refuses to save an undeclared
+    # `top_k`, taking it for a sampling parameter).
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    layer_types: list | None = None
+    block_size: int = 16
+    max_block_size: int | None = None
+    mask_token_id: int | None = None
+    target_layer_ids: list | None = None
+    num_target_layers: int | None = None
+    top_k: int = 16
+    corrector_rank: int = 128
+    corrector_hidden: int = 256
+    selection: str = "prefix_first"
+    geometric_lambda: float = 0.75
+    correct_first_slot: bool = False
+    context_bigrams: bool = False
+    corpus_bigrams: int | None = None
+    draft_vocab_size: int | None = None
+    block_tau: dict | None = None
+    corrector_type: str = "dcoco"
+    lilicorr_block_size: int | None = None
+    lilicorr_hidden_size: int = 128
+    lilicorr_num_layers: int = 2
+    lilicorr_num_heads: int = 4
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 64
+    lilicorr_vector_eps: float = 1e-4
+    lilicorr_logit_scale: float = 10.0
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+        max_position_embeddings: int = 40960,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        initializer_range: float = 0.02,
+        block_size: int | None = None,
+        max_block_size: int | None = None,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        num_target_layers: int | None = None,
+        top_k: int = 16,
+        corrector_rank: int = 128,
+        corrector_hidden: int = 256,
+        selection: str = "prefix_first",
+        geometric_lambda: float = 0.75,
+        correct_first_slot: bool = False,
+        context_bigrams: bool = False,
+        corpus_bigrams: int | None = None,
+        draft_vocab_size: int | None = None,
+        block_tau: dict[str, float] | None = None,
+        layer_types: list[str] | None = None,
+        corrector_type: str = "dcoco",
+        lilicorr_block_size: int | None = None,
+        lilicorr_hidden_size: int = 128,
+        lilicorr_num_layers: int = 2,
+        lilicorr_num_heads: int = 4,
+        lilicorr_mlp_ratio: float = 2.0,
+        lilicorr_factor_dim: int = 64,
+        lilicorr_vector_eps: float = 1e-4,
+        lilicorr_logit_scale: float = 10.0,
+        dflash_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Public DFlash checkpoints keep these either at the top level or under `dflash_config`.
+        dflash_config = dict(dflash_config or {})
+        block_size = block_size if block_size is not None else dflash_config.get("block_size", 16)
+        mask_token_id = mask_token_id if mask_token_id is not None else dflash_config.get("mask_token_id")
+        target_layer_ids = target_layer_ids if target_layer_ids is not None else dflash_config.get("target_layer_ids")
+        # A public LiLiCorr checkpoint keeps its head geometry there too (`lilicorr_*`, candidate_topk = our top_k).
+        public = config_from_public(dflash_config)
+        if public is not None:
+            corrector_type, top_k = public.pop("corrector_type"), public.pop("top_k")
+            lilicorr_block_size = public.pop("lilicorr_block_size", block_size)
+            lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio = (
+                public["lilicorr_hidden_size"], public["lilicorr_num_layers"], public["lilicorr_num_heads"],
+                public["lilicorr_mlp_ratio"])
+            lilicorr_factor_dim, lilicorr_vector_eps, lilicorr_logit_scale = (
+                public["lilicorr_factor_dim"], public["lilicorr_vector_eps"], public["lilicorr_logit_scale"])
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_parameters = _rope_parameters(rope_theta, rope_parameters)
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.initializer_range = initializer_range
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.block_size = int(block_size)
+        self.max_block_size = max_block_size
+        self.mask_token_id = mask_token_id
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
+        self.num_target_layers = num_target_layers
+        self.top_k = top_k
+        self.corrector_rank = corrector_rank
+        self.corrector_hidden = corrector_hidden
+        self.selection = selection
+        self.geometric_lambda = geometric_lambda
+        self.correct_first_slot = bool(correct_first_slot)
+        self.context_bigrams = bool(context_bigrams)
+        self.corpus_bigrams = int(corpus_bigrams) if corpus_bigrams is not None else None
+        self.draft_vocab_size = draft_vocab_size
+        # JSON keys are strings; ints are accepted too.
+        self.block_tau = {str(int(b)): float(t) for b, t in block_tau.items()} if block_tau is not None else None
+        self.corrector_type = corrector_type
+        if corrector_type == "lilicorr" and lilicorr_block_size is None:
+            lilicorr_block_size = self.block_size  # the head is sized for the block it is built to draft
+        self.lilicorr_block_size = int(lilicorr_block_size) if lilicorr_block_size is not None else None
+        self.lilicorr_hidden_size = int(lilicorr_hidden_size) or hidden_size  # 0 means the drafter's width
+        self.lilicorr_num_layers = int(lilicorr_num_layers)
+        self.lilicorr_num_heads = int(lilicorr_num_heads)
+        self.lilicorr_mlp_ratio = float(lilicorr_mlp_ratio)
+        self.lilicorr_factor_dim = int(lilicorr_factor_dim)
+        self.lilicorr_vector_eps = float(lilicorr_vector_eps)
+        self.lilicorr_logit_scale = float(lilicorr_logit_scale)
+        kwargs.setdefault("tie_word_embeddings", False)
+        # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.
+        kwargs["auto_map"] = dict(AUTO_MAP)
+        super().__init__(**kwargs)
+        self.check_dcoco_fields()
+
+    @property
+    def largest_block_size(self) -> int:
+        """The longest block this drafter may draft: `max_block_size` if training covered longer blocks than
+        `block_size`, the one it drafts by default; a LiLiCorr head also caps it at the block it is sized for."""
+        largest = max(self.block_size, self.max_block_size or 0)
+        return min(largest, self.lilicorr_block_size) if self.corrector_type == "lilicorr" else largest
+
+    def check_dcoco_fields(self) -> None:
+        """Raise a ValueError naming the bad field and the fix."""
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
+        if self.max_block_size is not None and self.max_block_size < 2:
+            raise ValueError(f"max_block_size={self.max_block_size}: a block needs the anchor plus at least one mask "
+                             "slot (>= 2); use None when block_size is the largest trained block.")
+        if self.block_tau is not None:
+            bad = {b: t for b, t in self.block_tau.items() if not (2 <= int(b) <= self.largest_block_size
+                                                                and 1.0 <= t <= int(b))}
+            if bad or not self.block_tau:
+                raise ValueError(
+                    f"block_tau={self.block_tau}: needs one tau per measured block size B in [2, "
+                    f"{self.largest_block_size}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None "
+                    "when it was not measured (scripts/record_block_tau.py records it from bench JSON files)."
+                )
+        self.check_lilicorr_fields()
+        self.selection = walk_name(self.selection)  # a legacy "greedy" loads as "prefix_first"
+        if not 0.0 < self.geometric_lambda <= 1.0:
+            raise ValueError(f"geometric_lambda={self.geometric_lambda} must lie in (0, 1].")
+        if self.top_k < 1 or self.top_k > self.vocab_size:
+            raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
+        if self.draft_vocab_size is not None and not self.top_k <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must lie in [top_k={self.top_k}, vocab_size={self.vocab_size}]"
+                "; use None to propose from the whole vocabulary."
+            )
+        if self.corpus_bigrams is not None and self.corpus_bigrams < 1:
+            raise ValueError(
+                f"corpus_bigrams={self.corpus_bigrams} must be the number of pairs counted (>= 1), or None for off."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers.")
+        unsupported = sorted(set(self.layer_types) - {"full_attention"})
+        if unsupported:
+            raise ValueError(
+                f"layer_types {unsupported} are not supported: DCOCO drafters use full (bidirectional-in-block) "
+                "attention in every layer. Convert the checkpoint or use a full-attention DFlash drafter."
+            )
+        if self.target_layer_ids is not None:
+            if len(self.target_layer_ids) == 0:
+                raise ValueError("target_layer_ids is empty; list at least one target decoder layer.")
+            if min(self.target_layer_ids) < 0:
+                raise ValueError(f"target_layer_ids={self.target_layer_ids} holds a negative layer index.")
+            if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+                raise ValueError(
+                    f"target_layer_ids={self.target_layer_ids} is out of range for a target with "
+                    f"num_target_layers={self.num_target_layers} (valid: 0..{self.num_target_layers - 1})."
+                )
+
+
+    def check_lilicorr_fields(self) -> None:
+        """Raise a ValueError naming the bad corrector field and the fix."""
+        if self.corrector_type not in CORRECTOR_TYPES:
+            raise ValueError(f"corrector_type={self.corrector_type!r} is unknown; choose one of {CORRECTOR_TYPES}.")
+        if self.corrector_type != "lilicorr":
+            return
+        if self.context_bigrams or self.corpus_bigrams:
+            raise ValueError(
+                "context_bigrams / corpus_bigrams are inputs of the DCOCO corrector; a LiLiCorr head does not read "
+                "them. Set both off (False / None) with corrector_type='lilicorr'."
+            )
+        if not 2 <= self.block_size <= self.lilicorr_block_size:
+            raise ValueError(
+                f"block_size={self.block_size} with lilicorr_block_size={self.lilicorr_block_size}: a LiLiCorr head "
+                "serves blocks from 2 up to the size it was built for; draft a smaller block or train a larger head."
+            )
+        if self.lilicorr_hidden_size % self.lilicorr_num_heads:
+            raise ValueError(
+                f"lilicorr_hidden_size={self.lilicorr_hidden_size} is not divisible by lilicorr_num_heads="
+                f"{self.lilicorr_num_heads}; pick a head count that divides the head width."
+            )
+        bad = {name: getattr(self, name) for name in (
+            "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
+            "lilicorr_vector_eps", "lilicorr_logit_scale") if not getattr(self, name) > 0}
+        if bad:
+            raise ValueError(f"LiLiCorr fields {bad} must be positive.")
+
+
+def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """Accept both spellings of RoPE settings: transformers 4 `rope_theta` and transformers 5 `rope_parameters`."""
+    params = dict(rope_parameters or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if rope_theta is not None:
+        params.setdefault("rope_theta", rope_theta)
+    params.setdefault("rope_theta", 1_000_000.0)
+    return params
+
+
+__all__ = ["DCOCOConfig"]

@@ -1,0 +1,901 @@
+"""DCOCO drafter: the DFlash parallel drafter backbone with the DCOCO contextual corrector on top.
+
+DFlash: the drafter fuses hidden states of a few target layers (`fc`, then `hidden_norm`) and injects them as extra
+keys/values in every drafter layer; one forward over the block [anchor, MASK x (B-1)] (bidirectional inside the block,
+full attention to the context, absolute RoPE positions) predicts slot k = the token at anchor + k, through the
+target's own lm_head. DCOCO (arXiv:2610.12570) keeps each slot's top-K candidates and re-selects them with transition
+scores between adjacent slots (see `corrector.py`).
+
+The drafter borrows the target's embedding and lm_head (frozen, never saved): `drafter.attach(target)` binds it to
+its target once; `target.generate(**inputs, assistant_model=drafter)` then speculates losslessly through
+`DCOCOCandidateGenerator` (see `candidate_generator.py`). Weight names follow the public DFlash checkpoints
+(`fc`, `hidden_norm`, `layers.{i}...`, `norm`), so those load as they are, with a fresh (zero-output) corrector.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+from transformers.utils import cached_file
+
+from .candidate_generator import DCOCOCandidateGenerator, assisted_stopping_criteria
+from .configuration_dcoco import DCOCOConfig
+from .context_cache import DraftContextCache
+from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
+from .device import device_sync
+from .precision import precision_notes
+from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
+from .tap import TargetTap, decoder_layers
+from .tuning import Tuning, logger, untune
+from .tuning import tune as tune_for_device
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DCOCOAttention(nn.Module):
+    """Qwen3-style attention whose keys/values also cover the fused target context."""
+
+    def __init__(self, config: DCOCOConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Any | None,
+    ) -> torch.Tensor:
+        """hidden_states [B, Q, H] (block), context [B, N, H] (new fused context rows) -> [B, Q, H]."""
+        batch, q_len, _ = hidden_states.shape
+        kv_input = torch.cat([context, hidden_states], dim=1)  # [B, N + Q, H]
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings  # [B, N + Q, D]
+        q = _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = _apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        implementation = self.config._attn_implementation
+        if attention_mask is not None and implementation not in ("eager", "sdpa", "sdpa_cpu_gqa"):
+            # Kernels without arbitrary masks (FlashAttention) only serve the unmasked path. "sdpa_cpu_gqa" is
+            # dcoco_hf's masked-GQA variant of sdpa (dcoco_hf/cpu_attention.py).
+            implementation = "sdpa"
+        attn_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _eager_attention)
+        out, _ = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, is_causal=False)
+        return self.o_proj(out.reshape(batch, q_len, -1))
+
+
+def _eager_attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, **_):
+    """Plain softmax attention with GQA; attention_mask is additive [B, 1, Q, K] or None."""
+    k = k.repeat_interleave(module.num_key_value_groups, dim=1)
+    v = v.repeat_interleave(module.num_key_value_groups, dim=1)
+    weights = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = weights.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
+
+
+class DCOCODecoderLayer(nn.Module):
+    def __init__(self, config: DCOCOConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DCOCOAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask, cache):
+        # The fused context enters as keys/values only; it never joins the residual stream.
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _additive_mask(mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Key mask [B, K] (1 = visible) or boolean/additive [B, 1, Q, K] -> additive float [B, 1, Q, K], or None."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        if bool(mask.all()):
+            return None  # everything visible: let SDPA / FlashAttention take their unmasked path
+        mask = mask[:, None, None, :].expand(-1, 1, q_len, -1)
+    if mask.dtype == torch.bool or not mask.is_floating_point():
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask.bool(), torch.finfo(dtype).min)
+    return mask.to(dtype)
+
+
+@dataclass
+class DraftProposal:
+    """One drafted block, after correction.
+
+    tokens: [B, S] proposed tokens for slots 1..S (S = block_size - 1).
+    candidates: [B, S, K] top-K candidate ids per slot, best first.
+    candidate_logits: [B, S, K] their drafter logits.
+    chosen: [B, S] index of the proposed token inside each slot's candidates.
+    transition_scores: [B, S - 1, K, K] or None when the corrector was skipped.
+    first_slot_scores: [B, K] anchor -> slot 1 scores (`correct_first_slot`), else None.
+    backbone_seconds / corrector_seconds: wall time of the backbone (+ lm_head, top-K) and of scoring + walk.
+    """
+
+    tokens: torch.Tensor
+    candidates: torch.Tensor
+    candidate_logits: torch.Tensor
+    chosen: torch.Tensor
+    transition_scores: torch.Tensor | None
+    first_slot_scores: torch.Tensor | None
+    backbone_seconds: float
+    corrector_seconds: float
+
+
+class DCOCOGenerationConfig(GenerationConfig):
+    """Generation defaults of a drafter, read by transformers' assisted generation from the ASSISTANT's config."""
+
+    @classmethod
+    def from_model_config(cls, model_config: DCOCOConfig) -> GenerationConfig:
+        config = model_config.to_dict()
+        config.pop("top_k", None)  # the corrector's candidate count, not a sampling setting
+        generation_config = GenerationConfig.from_model_config(config)
+        # A DCOCO block has a fixed length, and no confidence-based early stop.
+        generation_config.num_assistant_tokens = model_config.block_size - 1
+        generation_config.num_assistant_tokens_schedule = "constant"
+        generation_config.assistant_confidence_threshold = 0.0
+        generation_config.use_corrector = True  # False drafts plain DFlash argmax blocks (the bench's baseline)
+        return generation_config
+
+
+class DCOCOPreTrainedModel(PreTrainedModel):
+    config_class = DCOCOConfig
+    generation_config_class = DCOCOGenerationConfig
+    config: DCOCOConfig
+    base_model_prefix = "dcoco"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DCOCODecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if getattr(module, "zero_init", False):  # the corrector's output layer: untrained = plain DFlash argmax
+            init.zeros_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        if isinstance(module, LiLiCorrCorrector):  # its own parameters; the Linear layers got the default above
+            module.init_weights()
+
+
+class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
+    """DFlash backbone + DCOCO corrector. Build with `DCOCODrafter(config)`, `DCOCODrafter.from_target(target)` or
+    `from_pretrained(folder)`; bind to its target with `attach(target)`; use as `assistant_model=drafter`."""
+
+    # A DFlash export's draft vocabulary (`d2t` and its lm_head rows, see export.py) is read by `_adopt_d2t` instead.
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"^d2t$", r"^t2d$", r"^lm_head\.weight$"]
+
+    def __init__(self, config: DCOCOConfig) -> None:
+        super().__init__(config)
+        if config.target_layer_ids is None:
+            raise ValueError(
+                "DCOCOConfig.target_layer_ids is missing: the drafter must know which target layers it reads. "
+                "Use DCOCODrafter.from_target(target) or set target_layer_ids explicitly."
+            )
+        num_layers = len(config.target_layer_ids)
+        self.fc = nn.Linear(num_layers * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DCOCODecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.corrector_type == "lilicorr":
+            self.corrector = LiLiCorrCorrector.from_config(config)
+        else:
+            self.corrector = DCOCOCorrector(
+                config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams,
+                bool(config.corpus_bigrams),
+            )
+        # The pair counts the corrector reads with `corpus_bigrams`, saved with the weights (`set_corpus_bigrams`).
+        pairs = config.corpus_bigrams
+        self.corpus_bigrams = CorpusBigrams(config.vocab_size, pairs) if pairs else None
+        # Saved with the weights when the config has a draft vocabulary; None proposes from the whole vocabulary.
+        size = config.draft_vocab_size
+        self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
+        self._target_ref: weakref.ReferenceType | None = None
+        self._tap: TargetTap | None = None
+        self._tuning: Tuning | None = None
+        self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
+        self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self.post_init()
+
+    # ------------------------------------------------------------------ construction and attachment
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        top_k: int = 16,
+        num_target_layers_read: int = 5,
+        mask_token_id: int | None = None,
+        intermediate_size: int | None = None,
+        init_from_target: bool = False,
+        **config_kwargs: Any,
+    ) -> "DCOCODrafter":
+        """An untrained drafter sized for `target`, already attached to it.
+
+        `init_from_target=True` starts the drafter layers from the target's last decoder layers and the final norm
+        from the target's (where shapes agree): a warm start that matters when training compute is scarce.
+
+        Reads `num_target_layers_read` target layers spread evenly from layer 1 to layer L-3 (the early and the
+        last layers carry little about the next tokens). The mask token defaults to the last row of the target's
+        embedding table: any fixed id works, the drafter learns what its embedding means, and the last row is a
+        rarely used padding or special token in common tokenizers. Pass `mask_token_id` to choose another.
+        """
+        tcfg = target.config.get_text_config()
+        depth = tcfg.num_hidden_layers
+        vocab = target.get_input_embeddings().weight.shape[0]
+        heads = config_kwargs.pop("num_attention_heads", tcfg.num_attention_heads)
+        config = DCOCOConfig(
+            vocab_size=vocab,
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=intermediate_size or tcfg.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=config_kwargs.pop("num_key_value_heads", getattr(tcfg, "num_key_value_heads", heads)),
+            head_dim=config_kwargs.pop("head_dim", getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_theta": 10000.0}),
+            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 32768),
+            block_size=block_size,
+            mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
+            target_layer_ids=spread_layer_ids(depth, num_target_layers_read),
+            num_target_layers=depth,
+            top_k=top_k,
+            **config_kwargs,
+        )
+        drafter = cls(config).to(device=target.device, dtype=target.dtype)
+        if init_from_target:
+            _copy_matching(target.get_decoder().layers[-num_hidden_layers:], drafter.layers)
+            _copy_matching(target.get_decoder().norm, drafter.norm)
+        return drafter.attach(target, tune=False)  # an untrained drafter: tune once it is trained
+
+    def attach(self, target: PreTrainedModel, tune: bool = True, **tune_options: Any) -> "DCOCODrafter":
+        """Bind the drafter to `target`: borrow its embedding and lm_head and tap its hidden states. Returns self.
+
+        With `tune` (the default), also make both fast on the device at hand and log one line saying how
+        (`dcoco_hf.tuning.tune`: on CPU the GQA-aware attention and the measured few-rows linear layouts, on every
+        device the block size of highest recorded tau per timed cycle; measured once per machine and model pair,
+        then read from a disk cache). `tune_options` go to `tune` (e.g. `block_size=4`, `batch_size=8`).
+        Plain `generate()` of the target stays bit-identical while attached; `detach()` undoes everything.
+        """
+        check_compatible(self.config, target)
+        if not tune and tune_options:
+            raise TypeError(f"attach(tune=False) takes no tuning options; got {sorted(tune_options)}.")
+        self.detach()
+        self._target_ref = weakref.ref(target)
+        self._tap = TargetTap(target, self.config.target_layer_ids)
+        weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks behind
+        notes = precision_notes(self, target)  # the drafter computes in the target's dtype, on every path
+        if tune:
+            self._tuning = tune_for_device(target, self, **tune_options)
+            self._tuning.notes += notes
+            logger.info(self._tuning.summary())
+        elif notes:
+            logger.info("; ".join(notes))
+        return self
+
+    def detach(self) -> "DCOCODrafter":
+        """Undo `attach`: remove the hooks and restore the target's linear layers and attention. Returns self."""
+        target = self._target_ref() if self._target_ref is not None else None
+        if self._tap is not None:
+            self._tap.remove()
+        if self._tuning is not None and target is not None:
+            untune(target, self, self._tuning)
+        self._target_ref, self._tap, self._tuning, self._draft_head = None, None, None, None
+        return self
+
+    @property
+    def tuning(self) -> Tuning | None:
+        """What `attach` did to make target and drafter fast here (None with `tune=False`)."""
+        return self._tuning
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles carry weights, not the binding to a live target (re-attach the copy).
+        state = super().__getstate__()
+        state.update(_target_ref=None, _tap=None, _tuning=None, _running=None, _last_engine=None, _draft_head=None)
+        return state
+
+    @property
+    def target(self) -> PreTrainedModel:
+        target = self._target_ref() if self._target_ref is not None else None
+        if target is None:
+            raise RuntimeError(
+                "This DCOCODrafter is not attached to a target model. Call `drafter.attach(target)` once "
+                "(it returns the drafter), then pass `assistant_model=drafter` to `target.generate`."
+            )
+        return target
+
+    @property
+    def tap(self) -> TargetTap:
+        self.target  # noqa: B018 -- raises the clear "not attached" error
+        return self._tap
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        target = self._target_ref() if self._target_ref is not None else None
+        return target.get_input_embeddings() if target is not None else None
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None  # the lm_head is the target's; it is neither tied nor saved here
+
+    # ------------------------------------------------------------------ the backbone
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """One DFlash backbone pass (also the interface of transformers' `speculation_type="dflash"` path).
+
+        Args:
+            noise_embeds: [B, Q, H] target embeddings of the block(s) (anchor, then mask slots).
+            context_hidden_states: [B, N, n_layers * H] concatenated target hidden states of new context rows.
+            position_ids: [B, N + Q] absolute positions of the context rows then the block tokens.
+            attention_mask: None (all visible), a key mask [B, cached + N + Q] or a full mask [B, 1, Q, keys].
+            cache: keys/values of earlier context rows (`DraftContextCache` or a transformers DFlash cache).
+        Returns:
+            `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head.
+        """
+        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        hidden = noise_embeds.to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        mask = _additive_mask(attention_mask, hidden.shape[1], hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, context, position_embeddings, mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    def slot_logits(self, slot_hidden: torch.Tensor) -> torch.Tensor:
+        """Target lm_head on drafter slot hiddens [..., H] -> [..., V]."""
+        lm_head = self.target.get_output_embeddings()
+        return lm_head(slot_hidden.to(lm_head.weight.dtype))
+
+    def set_draft_vocabulary(self, token_ids: torch.Tensor | list[int] | None) -> "DCOCODrafter":
+        """Propose only from `token_ids` (e.g. the target's most frequent tokens), or from every token with None.
+
+        FR-Spec's observation: a small drafter spends most of its forward in the lm_head over the whole vocabulary
+        (49152 x 576 for SmolLM2, 151936 x 4096 for Qwen3), while the target writes a few thousand tokens almost
+        all of the time. Outputs cannot change, since the target verifies every token; a token outside the draft
+        vocabulary is simply never proposed. `scripts/draft_vocab.py` builds one from training data. Returns self.
+        """
+        if token_ids is None:
+            self.draft_token_ids, self.config.draft_vocab_size, self._draft_head = None, None, None
+            return self
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        vocab = self.config.vocab_size
+        if ids.numel() < self.config.top_k:
+            raise ValueError(
+                f"The draft vocabulary has {ids.numel()} tokens, fewer than top_k={self.config.top_k} candidates per "
+                "slot; pass more tokens or lower config.top_k."
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"Draft vocabulary ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}.")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("The draft vocabulary lists a token twice; pass each token id once.")
+        # Stored ascending, so the same set of tokens always gives the same buffer (and the same saved file).
+        self.draft_token_ids = ids.sort().values.to(self.fc.weight.device)
+        self.config.draft_vocab_size = ids.numel()
+        self._draft_head = None
+        return self
+
+    def set_corpus_bigrams(self, table: CorpusBigrams) -> "DCOCODrafter":
+        """Let the corrector read these pair counts (`CorpusBigrams.count` over the training answers); returns self.
+
+        A corrector that did not read them yet gains the input with zero weights (it scores as before until trained,
+        what `train_drafter.py --corpus-bigrams` starts from); one that did keeps its weights, with the new counts.
+        """
+        if table.vocab_size != self.config.vocab_size:
+            raise ValueError(f"The table counts a vocabulary of {table.vocab_size}; the target's has {self.config.vocab_size}.")
+        self.corrector.add_corpus_input()
+        self.corpus_bigrams = table.to(self.fc.weight.device)
+        self.config.corpus_bigrams = table.num_pairs
+        return self
+
+    def proposal_logits(self, slot_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor | None]:
+        """Float logits [..., V'] over the tokens the drafter may propose, and the token id of each column
+        (None: column = token id, the whole vocabulary)."""
+        if self.draft_token_ids is None:
+            return self.slot_logits(slot_hidden).float(), None
+        weight, bias = self._draft_lm_head()
+        return nn.functional.linear(slot_hidden.to(weight.dtype), weight, bias).float(), self.draft_token_ids
+
+    def draft_columns(self, token_ids: torch.LongTensor) -> torch.LongTensor:
+        """The column of each token in `proposal_logits` (-1 for a token outside the draft vocabulary); without a
+        draft vocabulary, the token ids themselves."""
+        if self.draft_token_ids is None:
+            return token_ids
+        ids = self.draft_token_ids.to(token_ids.device)
+        column_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        column_of[ids] = torch.arange(ids.numel(), device=token_ids.device)
+        return column_of[token_ids]
+
+    def _draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target lm_head's rows of the draft vocabulary, sliced once per (lm_head, vocabulary)."""
+        lm_head = self.target.get_output_embeddings()
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        # _version catches in-place weight updates (load_state_dict); inference tensors have no version counter.
+        version = 0 if weight.is_inference() else weight._version
+        key = (weight.data_ptr(), version, weight.device, weight.dtype, self.draft_token_ids.data_ptr())
+        if self._draft_head is None or self._draft_head[0] != key:
+            ids = self.draft_token_ids.to(weight.device)
+            self._draft_head = (key, weight.detach()[ids], None if bias is None else bias.detach()[ids])
+        return self._draft_head[1], self._draft_head[2]
+
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        return self.target.get_input_embeddings()(token_ids)
+
+    # ------------------------------------------------------------------ drafting: the one code path
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor_ids: torch.LongTensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        cache: DraftContextCache,
+        attention_mask: torch.Tensor | None = None,
+        selection: str | None = None,
+        correct: bool = True,
+        context_ids: torch.LongTensor | None = None,
+        context_valid: torch.BoolTensor | None = None,
+        timed: bool = False,
+    ) -> DraftProposal:
+        """Draft one block per row and correct it.
+
+        Args:
+            anchor_ids: [B] last committed token of each row.
+            context_hidden_states: [B, N, n_layers * H] target states of the rows committed since the last draft.
+            position_ids: [B, N + block_size] positions of those rows, then of the block.
+            cache: the drafter context cache; it keeps the new context rows and drops the block afterwards.
+            attention_mask: key mask [B, cached + N + block_size], or None when every key is visible.
+            selection: "prefix_first" | "viterbi" | "geometric"; default `config.selection`.
+            correct: False skips the corrector (plain DFlash argmax proposals, for baselines).
+            context_ids: [B, L] committed tokens of each row, anchor included (needed with `context_bigrams`).
+            context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
+            timed: wait for the device before reading the clock, so the phase times are exact on a GPU (on CPU they
+                are exact either way); without it nothing here waits for the device.
+        """
+        cfg = self.config
+        sync = device_sync(anchor_ids.device, timed)
+        start = time.perf_counter()
+        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], cfg.block_size - 1), cfg.mask_token_id)
+        block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
+        kept = cache.get_seq_length() + context_hidden_states.shape[1]
+        out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
+        cache.truncate(kept)
+        block_hidden = out.last_hidden_state  # [B, block, H]
+        slot_hidden = block_hidden[:, 1:]  # [B, S, H]
+        logits, column_tokens = self.proposal_logits(slot_hidden)  # [B, S, V'] over the draft vocabulary
+        candidate_logits, candidates = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)  # [B, S, K]
+        if column_tokens is not None:
+            candidates = column_tokens[candidates]
+        sync()
+        backbone_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        scores = first_scores = None
+        if correct and cfg.corrector_type == "lilicorr":  # start and pair scores of the whole lattice, one pass
+            log_probs = candidate_logits - logits.logsumexp(-1, keepdim=True)  # [B, S, K]
+            first_scores, scores = self.lilicorr_scores(
+                slot_hidden, candidates, log_probs, *self.anchor_rows(context_hidden_states, position_ids)
+            )
+            chosen = select_candidates(selection or cfg.selection, scores, first_scores, cfg.geometric_lambda)
+        elif correct and (cfg.block_size > 2 or cfg.correct_first_slot):
+            candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
+            seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid)
+            corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates)
+            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [B, S - 1, K, K]
+            if cfg.correct_first_slot:
+                first_scores = self.first_slot_scores(
+                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits, first_seen, first_corpus
+                )  # [B, K]
+            first = first_scores if first_scores is not None else candidate_logits[:, 0]
+            chosen = select_candidates(selection or cfg.selection, scores.float(), first.float(), cfg.geometric_lambda)
+        else:
+            chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
+        tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
+        sync()
+        corrector_seconds = time.perf_counter() - start if scores is not None or first_scores is not None else 0.0
+        return DraftProposal(
+            tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds, corrector_seconds
+        )
+
+    def lilicorr_scores(
+        self,
+        slot_hidden: torch.Tensor,
+        candidates: torch.LongTensor,
+        candidate_log_probs: torch.Tensor,
+        anchor_hidden: torch.Tensor,
+        anchor_valid: torch.BoolTensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LiLiCorr head's (start [R, K], pair scores [R, S - 1, K, K]), as drafting and training both compute
+        them: slot_hidden [R, S, H], candidates / candidate_log_probs [R, S, K], anchor rows [R, H] / [R] from
+        `anchor_rows`."""
+        return self.corrector(slot_hidden, self.embed(candidates), candidate_log_probs, anchor_hidden, anchor_valid)
+
+    def anchor_rows(
+        self, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor
+    ) -> tuple[torch.Tensor, torch.BoolTensor]:
+        """The LiLiCorr anchor of each row: the fused target context (`hidden_norm(fc(.))`) of the position just
+        before the block, the newest committed row, as in the public head. context_hidden_states [B, N, n_layers * H],
+        position_ids [B, N + block] -> ([B, H], valid [B]); not valid (zero) where that row is not among the new
+        context rows (padding and rows past a row's accepted tokens have other positions)."""
+        n = context_hidden_states.shape[1]
+        batch = context_hidden_states.shape[0]
+        positions = position_ids.expand(batch, -1)
+        match = positions[:, :n] == positions[:, n:n + 1] - 1  # [B, N]
+        valid = match.any(1)  # [B]
+        last = n - 1 - match.flip(1).long().argmax(1) if n else torch.zeros_like(valid, dtype=torch.long)  # [B]
+        if n == 0:
+            return context_hidden_states.new_zeros(batch, self.config.hidden_size), valid
+        rows = context_hidden_states[torch.arange(batch, device=last.device), last]  # [B, n_layers * H]
+        return self.hidden_norm(self.fc(rows.to(self.fc.weight.dtype))), valid
+
+    def first_slot_scores(
+        self,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        first_candidate_embeds: torch.Tensor,
+        candidate_logits: torch.Tensor,
+        seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Anchor -> slot 1 transition scores (`correct_first_slot`), as drafting and training both compute them.
+
+        block_hidden [R, block, H] drafter output of each block, anchor_ids [R], first_candidate_embeds [R, K, H]
+        the embeddings of slot 1's candidates (drafting has them already, for the slot pairs), candidate_logits
+        [R, S, K], seen [R, K] m(anchor, b) with `context_bigrams`, corpus [R, K, 2] with `corpus_bigrams` -> [R, K].
+        """
+        dtype = block_hidden.dtype
+        return self.corrector.first_slot_scores(
+            block_hidden[:, 0], self.embed(anchor_ids).to(dtype), block_hidden[:, 1],
+            first_candidate_embeds.to(dtype), candidate_logits[:, 0], seen, corpus,
+        )
+
+    def candidate_bigrams(
+        self,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        context_ids: torch.LongTensor | None,
+        context_valid: torch.BoolTensor | None = None,
+        anchor_positions: torch.LongTensor | None = None,
+    ) -> tuple[torch.BoolTensor | None, torch.BoolTensor | None]:
+        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and, with `correct_first_slot`, of every anchor
+        -> slot 1 transition [B, ..., K] (else None), as drafting and training both compute them; (None, None)
+        without `context_bigrams`.
+
+        anchor_ids [B, ...] and candidates [B, ..., S, K] (drafting: one block per row, [B]; training: m blocks per
+        sequence, [N, m]); context_ids / context_valid [B, L]; anchor_positions [B, ...], in training, restricts
+        each block to the text up to its anchor (drafting's context ends at the anchor already).
+        """
+        if not self.config.context_bigrams:
+            return None, None
+        if context_ids is None:
+            raise ValueError(
+                "this drafter's corrector reads context bigrams (config.context_bigrams=True): pass the committed "
+                "tokens as context_ids to propose()."
+            )
+        bigrams, ends = ContextBigrams(context_ids, self.config.vocab_size, context_valid), anchor_positions
+        pairs = bigrams.seen(
+            candidates[..., :-1, :, None], candidates[..., 1:, None, :], None if ends is None else ends[..., None, None, None]
+        )
+        if not self.config.correct_first_slot:
+            return pairs, None
+        return pairs, bigrams.seen(anchor_ids[..., None], candidates[..., 0, :], None if ends is None else ends[..., None])
+
+    def candidate_corpus_inputs(
+        self,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The corpus inputs of every slot-pair transition [B, ..., S - 1, K, K, 2] and, with `correct_first_slot`,
+        of every anchor -> slot 1 transition [B, ..., K, 2] (else None), as drafting and training both compute them;
+        (None, None) without `corpus_bigrams`. anchor_ids [B, ...], candidates [B, ..., S, K]; exclude, in training,
+        the records' (input_ids [B, T], loss_mask [B, T]), whose own pairs leave the counts (leave-one-out).
+        """
+        if self.corpus_bigrams is None:
+            return None, None
+        table = self.corpus_bigrams
+        own = None if exclude is None else table.own_counts(*exclude)  # once for the pairs and the first slot
+        pairs = table.inputs(candidates[..., :-1, :, None], candidates[..., 1:, None, :], own)
+        if not self.config.correct_first_slot:
+            return pairs, None
+        return pairs, table.inputs(anchor_ids[..., None], candidates[..., 0, :], own)
+
+    # ------------------------------------------------------------------ transformers assisted generation
+
+    def generate(self, input_ids: torch.LongTensor | None = None, generation_config=None, **kwargs: Any):
+        """Called by `target.generate(..., assistant_model=drafter)` once per speculation cycle.
+
+        transformers' AssistedCandidateGenerator hands back whatever we return as `cache` on the next call of the
+        same `generate()`: that is how one `DCOCOCandidateGenerator` (hooks, drafter context, statistics) lives
+        exactly as long as one target `generate()` call.
+        """
+        if generation_config is None or not getattr(generation_config, "is_assistant", False):
+            raise TypeError(
+                "DCOCODrafter does not generate text by itself. Use "
+                "`target.generate(**inputs, assistant_model=drafter)` (after `drafter.attach(target)`), or "
+                "`dcoco_hf.speculative_generate(target, drafter, ...)` for batches."
+            )
+        handle = kwargs.get("cache")
+        if not isinstance(handle, _EngineHandle):
+            handle = self._start_call(generation_config)
+        max_new_tokens = kwargs.get("max_new_tokens") or self.config.block_size - 1
+        candidate_ids, candidate_logits = handle.engine.get_candidates(input_ids, max_new_tokens=max_new_tokens)
+        return GenerateDecoderOnlyOutput(
+            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), cache=handle
+        )
+
+    def _start_call(self, generation_config: GenerationConfig) -> "_EngineHandle":
+        """The first cycle of a target `generate()` call: a new engine, living as long as the call does.
+
+        transformers drops our handle when the call returns or raises; the handle's finaliser then ends the engine,
+        so the tap stops recording the target right there. One drafter serves one call at a time: a call from a
+        second thread while one runs would mix their target states, so it is refused.
+        """
+        criteria = assisted_stopping_criteria()
+        if criteria is None and getattr(generation_config, "stop_strings", None):
+            raise ValueError(
+                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.24 (its stopping criteria "
+                "could not be found); drop stop_strings or cut the text after generate()."
+            )
+        handle = _EngineHandle()
+        self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
+        correct = getattr(self.generation_config, "use_corrector", True)
+        engine = handle.engine = DCOCOCandidateGenerator(
+            self, generation_config, correct=correct, stopping_criteria=criteria
+        )
+        weakref.finalize(handle, engine.end_call)
+        self._last_engine = engine
+        return handle
+
+    def _claim(self, call: "_Call") -> None:
+        """Make `call` (alive exactly as long as one generate() call) this drafter's call in progress."""
+        with _CLAIM_LOCK:
+            running = self._running() if self._running is not None else None
+            if running is not None and running.thread != call.thread:
+                raise RuntimeError(
+                    "this drafter is already generating in another thread: one drafter serves one generate() call at "
+                    "a time. Give each thread its own drafter (copy.deepcopy(drafter).attach(target, tune=False)) "
+                    "and target, or serialise the calls."
+                )
+            self._running = weakref.ref(call)
+
+    @contextmanager
+    def one_call(self) -> Iterator[None]:
+        """The duration of one generate() call of our own loop (`speculative_generate`); see `_claim`."""
+        call = _Call()
+        self._claim(call)
+        try:
+            yield
+        finally:
+            if self._running is not None and self._running() is call:
+                self._running = None
+
+    def generation_stats(self, sequences: torch.LongTensor | None = None):
+        """Statistics of the last `target.generate(..., assistant_model=self)` call.
+
+        Pass the returned sequences to also count the final cycle (transformers stops without telling the drafter).
+        """
+        engine = getattr(self, "_last_engine", None)
+        if engine is None:
+            raise RuntimeError(
+                "No generate() call has consulted this drafter yet (a call with fewer than 2 new tokens never drafts)."
+            )
+        if sequences is not None:
+            engine.close(sequences)
+        return engine.stats
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """`PreTrainedModel.from_pretrained`, but a checkpoint missing backbone weights is an error, not a warning.
+
+        A missing corrector is fine: public DFlash checkpoints have none, and a fresh (zero-output) corrector
+        reproduces their argmax proposals exactly.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        # A public LiLiCorr folder names its head `lilicorr.*` (ours: `corrector.*`); other folders have no such keys.
+        kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
+            source = str(args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+            files = sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else []
+            raise OSError(
+                f"Cannot read the drafter weights in {', '.join(files) or source} ({error}): the file is truncated "
+                "or corrupt, e.g. by an interrupted download or save. Delete it, then download or save the checkpoint "
+                "again."
+            ) from error
+        if "draft_token_ids" in info.get("missing_keys", ()):  # a DFlash export's draft vocabulary comes as `d2t`
+            info["missing_keys"] = model._adopt_d2t(args[0] if args else kwargs["pretrained_model_name_or_path"], info)
+        missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
+        if missing:
+            raise ValueError(
+                f"The checkpoint lacks {len(missing)} drafter weight(s), e.g. {missing[:4]}: it is not a complete "
+                "DFlash/DCOCO drafter. Re-download or re-save the folder (model.safetensors must hold fc, hidden_norm, "
+                "layers.* and norm)."
+            )
+        mismatched = info.get("mismatched_keys") or []
+        if mismatched:
+            raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
+        if is_public_folder(model.config):
+            model._adopt_public_lilicorr(info.get("missing_keys", ()))
+        return (model, info) if want_info else model
+
+    def _adopt_d2t(self, source: str | os.PathLike, info: dict) -> list[str]:
+        """After loading a DFlash folder whose config names a draft vocabulary (`dcoco_hf.export`, vLLM's layout): set
+        it from the folder's `d2t` (draft column i proposes target token i + d2t[i]). Returns the keys still missing."""
+        with safe_open(cached_file(str(source), "model.safetensors"), "pt") as file:
+            if "d2t" not in set(file.keys()):  # neither our buffer nor d2t: the caller's error names what is missing
+                return list(info["missing_keys"])
+            d2t = file.get_tensor("d2t").long()
+        self.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t)
+        return [k for k in info["missing_keys"] if k != "draft_token_ids"]
+
+    def _adopt_public_lilicorr(self, missing_keys: Any) -> None:
+        """After loading a public LiLiCorr folder: its head must be complete (a partly fresh head would score a
+        believable but wrong function), and its scores are logit_scale * cos, i.e. our score gate at 1."""
+        head = sorted(k for k in missing_keys if k.startswith("corrector.") and k != "corrector.score_gate")
+        if head:
+            raise ValueError(
+                f"This LiLiCorr checkpoint lacks {len(head)} head tensor(s), e.g. {head[:4]} (named lilicorr.* in the "
+                "file): check lilicorr_hidden_size, lilicorr_num_layers and lilicorr_factor_dim in its dflash_config."
+            )
+        self.corrector.set_gate(1.0)
+        self.config.architectures = [type(self).__name__]  # from now on it is one of ours (saved as corrector.*)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, format: str = "dcoco", **kwargs: Any):
+        """`PreTrainedModel.save_pretrained`; `format="lilicorr"` writes the public LiLiCorr format instead
+        (`LiLiCorrDraftModel`, `dflash_config.lilicorr_*`, weights `lilicorr.*` next to the DFlash backbone, the score
+        gate folded into `lilicorr_logit_scale`, no draft vocabulary), which the public servers load."""
+        if format == "lilicorr":
+            return save_public(self, save_directory)
+        if format != "dcoco":
+            raise ValueError(f"format={format!r} is unknown: use 'dcoco' (ours, the default) or 'lilicorr' (public).")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+_CLAIM_LOCK = threading.Lock()
+
+
+class _Call:
+    """Alive exactly as long as one generate() call, in the thread that runs it."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+
+class _EngineHandle(_Call):
+    """What transformers' AssistedCandidateGenerator stores as our `cache` between cycles: it lives exactly as long
+    as one target `generate()` call.
+
+    It only asks a cache for its length and to crop it; the engine re-synchronises from token ids itself, so both
+    are no-ops here.
+    """
+
+    engine: DCOCOCandidateGenerator
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        return None
+
+
+@torch.no_grad()
+def _copy_matching(source: nn.Module, destination: nn.Module) -> None:
+    """Copy every parameter that exists under the same name and shape in both modules."""
+    theirs = dict(source.named_parameters())
+    for name, param in destination.named_parameters():
+        if name in theirs and theirs[name].shape == param.shape:
+            param.copy_(theirs[name])
+
+
+def spread_layer_ids(depth: int, count: int) -> list[int]:
+    """`count` distinct target layers spread evenly from 1 to depth - 3 (clamped to the target's range)."""
+    if depth < 1:
+        raise ValueError("The target has no decoder layers.")
+    low, high = min(1, depth - 1), max(min(1, depth - 1), depth - 3)
+    count = max(1, min(count, high - low + 1))
+    if count == 1:
+        return [(low + high) // 2]
+    return sorted({round(low + i * (high - low) / (count - 1)) for i in range(count)})
+
+
+def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
+    """Raise a ValueError naming the mismatch between a drafter config and a target, and the fix."""
+    tcfg = target.config
+    if getattr(tcfg, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(target).__name__} is an encoder-decoder model; DCOCO drafters speculate for decoder-only causal "
+            "LMs (AutoModelForCausalLM)."
+        )
+    text = tcfg.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    # `conv` (LFM2-style short convolutions) keeps no recurrent state: transformers 5.24 crops it like attention.
+    recurrent = sorted(layer_types - {"full_attention", "sliding_attention", "chunked_attention", "conv"})
+    if recurrent:
+        raise ValueError(
+            f"The target has {recurrent} layers whose cache cannot be cropped after a rejected draft; speculative "
+            "decoding needs a croppable (attention) KV cache."
+        )
+    embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    if embeddings is None or lm_head is None:
+        raise ValueError(f"{type(target).__name__} has no input embeddings or lm_head to lend the drafter.")
+    if text.hidden_size != config.hidden_size:
+        raise ValueError(
+            f"Hidden size mismatch: the drafter is {config.hidden_size} wide, the target {text.hidden_size}. "
+            "A drafter only fits the target (family) it was built for; build one with DCOCODrafter.from_target(target)."
+        )
+    vocab = embeddings.weight.shape[0]
+    if vocab != config.vocab_size or lm_head.weight.shape[0] != vocab:
+        raise ValueError(
+            f"Vocabulary mismatch: the drafter expects {config.vocab_size} tokens, the target's embedding has {vocab} "
+            f"and its lm_head {lm_head.weight.shape[0]}. Use the target the drafter was trained for."
+        )
+    depth = len(decoder_layers(target))
+    if max(config.target_layer_ids) >= depth:
+        raise ValueError(
+            f"target_layer_ids={config.target_layer_ids} is out of range: the target has {depth} decoder layers "
+            f"(valid ids 0..{depth - 1}). The drafter was built for a deeper target; use a matching one."
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab:
+        raise ValueError(
+            f"mask_token_id={config.mask_token_id} is not a token of the target's {vocab}-row embedding table; set "
+            "config.mask_token_id to the id the drafter was trained with."
+        )
+
+
+__all__ = ["DCOCODrafter", "DCOCOPreTrainedModel", "DraftProposal", "spread_layer_ids"]

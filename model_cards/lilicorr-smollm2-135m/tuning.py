@@ -1,0 +1,282 @@
+"""Fast by default: what `drafter.attach(target)` does to make speculation pay on the device at hand.
+
+Speculation wins only when a verify forward of B tokens costs about one decoding step. On a GPU it does; on a CPU
+three things decide it, each measured once per machine and model pair:
+
+* the target's attention: transformers' masked multi-token SDPA copies the key/value cache to every query head;
+  ``"sdpa_cpu_gqa"`` (`cpu_attention.py`) lets torch's CPU kernel do grouped heads itself;
+* the linear layers: torch's CPU GEMM is slow for 2-16 rows, so each model gets the few-rows layout measured fastest
+  here (`cpu_linear.py`);
+* the block size: DScout's throughput rule, the block of highest recorded tau per timed cycle (`block_choice.py`),
+  which on a GPU is the only choice made.
+
+Plain 1-token steps keep transformers' own attention and `F.linear`, so plain `generate()` of the target is
+bit-identical while attached, and `untune` (called by `drafter.detach()`) restores it exactly.
+
+The measurements are cached on disk (`cache_dir()`), keyed by the machine, torch, the thread count and both models'
+configs, so a second process reuses them: loading from the cache takes no timing at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .block_choice import (
+    BlockSizeChoice,
+    candidate_block_sizes,
+    choose_block_size,
+    set_block_size,
+)
+from .cpu_attention import CPU_GQA_ATTENTION
+from .cpu_linear import (
+    DEFAULT_MAX_ROWS,
+    available_layouts,
+    restore_linear,
+    use_few_rows_linear,
+)
+
+if TYPE_CHECKING:
+    from .modeling_dcoco import DCOCODrafter
+
+logger = logging.getLogger("dcoco_hf")
+if not logger.handlers:  # attach's one line is shown by default; logging.getLogger("dcoco_hf").setLevel(...) hides it
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[dcoco-hf] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+# Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
+_CACHE_VERSION = 1
+
+
+@dataclass
+class Tuning:
+    """What `tune` did to a target and its drafter, so that `untune` can undo exactly that."""
+
+    device: str
+    attention: tuple[str, str] | None = None  # (before, after) when the target's attention was switched
+    target_layout: dict[int, str] | None = None  # few-rows plan {rows: layout}, CPU only
+    drafter_layout: dict[int, str] | None = None
+    block_choice: BlockSizeChoice | None = None
+    block_size: int | None = None  # the block drafted after tuning
+    configured_block_size: int | None = None  # the drafter's block before it
+    cache_file: Path | None = None
+    from_cache: bool = False
+    notes: list[str] = field(default_factory=list)  # e.g. the drafter cast to the target's dtype
+
+    def summary(self) -> str:
+        """The one log line `attach` prints."""
+        parts = [f"tuned for {self.device}"]
+        if self.attention is not None:
+            parts.append(f"attention {self.attention[0]} -> {self.attention[1]}")
+        if self.target_layout is not None:
+            parts.append(f"few-rows linear layouts (target: {plan_text(self.target_layout)}; drafter: "
+                         f"{plan_text(self.drafter_layout or {})})")
+        if self.block_choice is not None:
+            choice = self.block_choice
+            sizes = sorted(choice.tau)
+            parts.append(f"block size {self.block_size} (highest tau per cycle time among {sizes[0]}-{sizes[-1]})")
+        elif self.block_size is not None:
+            parts.append(f"block size {self.block_size}")
+        parts.extend(self.notes)
+        if self.cache_file is not None:
+            parts.append(f"{'measurements read from' if self.from_cache else 'measured and cached in'} {self.cache_file}")
+        return "; ".join(parts)
+
+
+def plan_text(plan: dict[int, str]) -> str:
+    """{2: "gemm", 3: "packed", 4: "packed"} -> "2 rows gemm, 3-4 rows packed"."""
+    runs: list[list] = []
+    for rows, name in sorted(plan.items()):
+        if runs and runs[-1][2] == name and runs[-1][1] == rows - 1:
+            runs[-1][1] = rows
+        else:
+            runs.append([rows, rows, name])
+    return ", ".join(f"{a}{'' if a == b else f'-{b}'} rows {name}" for a, b, name in runs) or "none"
+
+
+def cache_dir() -> Path:
+    """Where measurements are cached: $DCOCO_HF_TUNING_DIR, else tuning/ under $DCOCO_HF_CACHE or ~/.cache/dcoco-hf
+    (the root the default target is cached in too)."""
+    if os.environ.get("DCOCO_HF_TUNING_DIR"):
+        return Path(os.environ["DCOCO_HF_TUNING_DIR"]).expanduser()
+    root = os.environ.get("DCOCO_HF_CACHE") or Path.home() / ".cache" / "dcoco-hf"
+    return Path(root).expanduser() / "tuning"
+
+
+def tune(
+    target: PreTrainedModel,
+    drafter: DCOCODrafter,
+    block_size: int | str = "auto",
+    extra_block_sizes: Sequence[int] = (),
+    batch_size: int = 1,
+    few_rows_linear: bool = True,
+    gqa_attention: bool = True,
+    use_cache: bool = True,
+    refresh: bool = False,
+) -> Tuning:
+    """Make `target` and its attached `drafter` fast on their device; returns what was done (see `Tuning`).
+
+    block_size: "auto" drafts the block of highest recorded tau (`config.block_tau`) per cycle timed here (the
+        configured block when no tau is recorded), or a fixed size.
+    extra_block_sizes: further blocks the caller will draft (e.g. a bench's dcoco@5), laid out for on CPU.
+    batch_size: rows per forward the CPU layouts must cover (a batched verify has batch_size blocks).
+    few_rows_linear / gqa_attention: the two CPU measures, each on by default.
+    use_cache: read and write the measurements in `cache_dir()`.
+    refresh: measure again and overwrite the cached measurements (e.g. ones taken while the machine was busy).
+    """
+    device = next(target.parameters()).device
+    configured = drafter.config.block_size
+    auto = block_size == "auto"
+    choices = candidate_block_sizes(drafter.config) if auto and drafter.config.block_tau is not None else []
+    if not auto:
+        set_block_size(drafter, int(block_size))
+    blocks = [drafter.config.block_size, *choices, *extra_block_sizes]
+    on_cpu = device.type == "cpu"
+    max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
+    tuning = Tuning(device=device_name(device), configured_block_size=configured)
+
+    if on_cpu and gqa_attention and target.config._attn_implementation == "sdpa":
+        for model in (target, drafter):
+            if model.config._attn_implementation == "sdpa":
+                model.set_attn_implementation(CPU_GQA_ATTENTION)
+        tuning.attention = ("sdpa", CPU_GQA_ATTENTION)
+    attention = target.config._attn_implementation
+    key = _cache_key(target, drafter, device, max_rows, choices, few_rows_linear and on_cpu, attention)
+    path = cache_dir() / f"{key}.json" if use_cache else None
+    cached = None if refresh else _read(path)
+    tuning.cache_file, tuning.from_cache = path, cached is not None
+    cached = cached or {}
+
+    if on_cpu and few_rows_linear:
+        tuning.target_layout = _lay_out(target, max_rows, cached.get("target_layout"))
+        tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
+    if choices:
+        tuning.block_choice = _block_choice(cached.get("block_choice")) or choose_block_size(target, drafter, choices)
+        set_block_size(drafter, tuning.block_choice.block_size)
+    tuning.block_size = drafter.config.block_size
+    if path is not None and not tuning.from_cache:
+        _write(path, tuning)
+    return tuning
+
+
+def untune(target: PreTrainedModel, drafter: DCOCODrafter | None, tuning: Tuning) -> None:
+    """Undo `tune` on the target (and drafter): plain linear layers, the attention it had before."""
+    if tuning.target_layout is not None:
+        restore_linear(target)
+    if drafter is not None and tuning.drafter_layout is not None:
+        restore_linear(drafter)
+    if tuning.attention is not None:
+        for model in (target, drafter):
+            if model is not None and model.config._attn_implementation == tuning.attention[1]:
+                model.set_attn_implementation(tuning.attention[0])
+
+
+def device_name(device: torch.device) -> str:
+    """"CPU (AMD EPYC 7B13, 2 threads)" or "cuda:0 (NVIDIA H200)": timings are properties of this."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"CPU ({cpu_name()}, {torch.get_num_threads()} threads)"
+
+
+def cpu_name() -> str:
+    """The processor's model name: CPU timings (which linear layout wins, a cycle's cost) depend on it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _lay_out(model: nn.Module, max_rows: int, cached: dict[str, str] | None) -> dict[int, str]:
+    plan = {int(rows): name for rows, name in cached.items()} if cached else None
+    if plan is not None and set(plan.values()) <= set(available_layouts()):
+        return use_few_rows_linear(model, max_rows=max_rows, layout=plan)
+    return use_few_rows_linear(model, max_rows=max_rows)
+
+
+def _block_choice(cached: dict[str, Any] | None) -> BlockSizeChoice | None:
+    if not cached:
+        return None
+    return BlockSizeChoice(
+        int(cached["block_size"]),
+        {int(b): float(t) for b, t in cached["tau"].items()},
+        {int(b): float(s) for b, s in cached["cycle_seconds"].items()},
+    )
+
+
+def _cache_key(target, drafter, device, max_rows, choices, layouts, attention) -> str:
+    """A hash of everything the measurements depend on: machine, software, thread count, both models, what is
+    measured. The drafter's block_size is left out (tuning sets it); its block_tau is in."""
+    drafter_config = drafter.config.to_dict()
+    drafter_config.pop("block_size", None)
+    identity = {
+        "version": _CACHE_VERSION,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "target": _model_identity(target),
+        "drafter": {**drafter_config, "_dtype": str(drafter.dtype)},
+        "max_rows": max_rows,
+        "choices": choices,
+        "layouts": layouts,
+        "attention": attention,
+    }
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_identity(model: PreTrainedModel) -> dict[str, Any]:
+    config = model.config.to_dict()
+    for name in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
+        config.pop(name, None)
+    return {"config": config, "dtype": str(model.dtype), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _read(path: Path | None) -> dict[str, Any] | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # a torn or foreign file: measure again and overwrite it
+        logger.warning("ignoring unreadable tuning cache %s (%s); measuring again", path, error)
+        return None
+    return data if data.get("version") == _CACHE_VERSION else None
+
+
+def _write(path: Path, tuning: Tuning) -> None:
+    choice = tuning.block_choice
+    data = {
+        "version": _CACHE_VERSION,
+        "device": tuning.device,
+        "target_layout": tuning.target_layout,
+        "drafter_layout": tuning.drafter_layout,
+        "block_choice": None if choice is None else {
+            "block_size": choice.block_size, "tau": choice.tau, "cycle_seconds": choice.cycle_seconds,
+        },
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        temporary.replace(path)  # atomic: a concurrent reader sees the old file or the new one, never half
+    except OSError as error:  # a read-only home must not break generation; it only costs the next start-up
+        logger.warning("could not cache the tuning in %s (%s); the next process measures again", path, error)
+        tuning.cache_file = None
+
+
+__all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "tune", "untune"]
