@@ -1,6 +1,7 @@
 """Print the headline results table (README and model card) from the benchmark JSON files it links to.
 
-    python scripts/results_table.py
+    python scripts/results_table.py            # print it
+    python scripts/results_table.py --write    # and replace it in README.md and the model card
 
 Rows: the public-API runs (`scripts/api_bench.py`: from_pretrained, attach, generate) and the side-by-side bench of
 the same engine with the corrector on and off (`dcoco-hf bench --methods vanilla,dflash,dcoco`). A figure in the
@@ -10,6 +11,7 @@ README or the card that is not in these files is a defect; `tests/test_model_car
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +20,9 @@ API_RUNS = (
     ("16 held-out chat + code prompts", "api_mixed_heldout.json"),
     ("HumanEval, prompts 1-20", "api_humaneval.json"),
     ("MT-Bench, questions 1-20", "api_mtbench.json"),
+    ("HumanEval, prompts 1-20, `attach(target, block_size=4)`", "api_humaneval_block4.json"),
 )
-BENCH = "bench_dflash_vs_dcoco.json"
+BENCHES = (("", "bench_dflash_vs_dcoco.json"), ("@4", "bench_dflash_vs_dcoco_block4.json"))
 SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
 
 
@@ -39,18 +42,21 @@ def api_rows() -> list[str]:
 
 
 def bench_rows() -> list[str]:
-    path = ROOT / RESULTS / BENCH
-    if not path.is_file():
-        return []
-    report = json.loads(path.read_text())
     rows = []
-    for suite, methods in report["suites"].items():
-        dflash, dcoco = methods["dflash"], methods["dcoco"]
-        rows.append(
-            f"| {SUITE_NAMES.get(suite, suite)}, {dcoco['prompts']} prompts ([json]({RESULTS}/{BENCH})) | "
-            f"{dflash['tau']:.2f} / {dcoco['tau']:.2f} | {dcoco['tau'] / dflash['tau']:.3f} | "
-            f"{dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | {100 * dcoco['corrector_share']:.1f}% |"
-        )
+    for suffix, file in BENCHES:
+        path = ROOT / RESULTS / file
+        if not path.is_file():
+            continue
+        report = json.loads(path.read_text())
+        block = report["config"]["block_size"] if not suffix else int(suffix[1:])
+        for suite, methods in report["suites"].items():
+            dflash, dcoco = methods[f"dflash{suffix}"], methods[f"dcoco{suffix}"]
+            rows.append(
+                f"| {SUITE_NAMES.get(suite, suite)}, {dcoco['prompts']} prompts, blocks of {block} "
+                f"([json]({RESULTS}/{file})) | {dflash['tau']:.2f} / {dcoco['tau']:.2f} | "
+                f"{dcoco['tau'] / dflash['tau']:.3f} | {dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | "
+                f"{100 * dcoco['corrector_share']:.1f}% |"
+            )
     return rows
 
 
@@ -64,7 +70,8 @@ def table() -> str:
         *api_rows(),
         "",
         "The corrector alone: the same engine, weights, draft vocabulary, layouts and block, with the corrector off",
-        "(`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench --methods vanilla,dflash,dcoco`):",
+        "(`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench --methods vanilla,dflash,dcoco`, and",
+        "`dflash@4,dcoco@4` for blocks of 4; with blocks of 2 the corrector can only re-select slot 1):",
         "",
         "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
         "| --- | --- | --- | --- | --- |",
@@ -73,5 +80,20 @@ def table() -> str:
     return "\n".join(lines)
 
 
+START, END = "<!-- results table: python scripts/results_table.py --write -->", "<!-- end of results table -->"
+DOCS = {ROOT / "README.md": "", ROOT / "model_cards" / "dcoco-smollm2-135m" / "README.md": "../../"}
+
+
+def write() -> None:
+    """Replace the table between START and END in each doc, with links relative to it."""
+    for doc, prefix in DOCS.items():
+        text = doc.read_text()
+        before, rest = text.split(START, 1)
+        after = rest.split(END, 1)[1]
+        doc.write_text(f"{before}{START}\n{table().replace('](docs/', f'](' + prefix + 'docs/')}\n{END}{after}")
+
+
 if __name__ == "__main__":
     print(table())
+    if "--write" in sys.argv[1:]:
+        write()

@@ -45,8 +45,8 @@ from .configuration_dcoco import DCOCOConfig
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
-from .precision import precision_notes
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
+from .precision import precision_notes
 from .tap import TargetTap, decoder_layers
 from .tuning import Tuning, logger, untune
 from .tuning import tune as tune_for_device
