@@ -241,6 +241,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self._target_ref: weakref.ReferenceType | None = None
         self._tap: TargetTap | None = None
         self._tuning: Tuning | None = None
+        self._unhook: weakref.finalize | None = None
         self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
         self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
         self.post_init()
@@ -313,7 +314,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.detach()
         self._target_ref = weakref.ref(target)
         self._tap = TargetTap(target, self.config.target_layer_ids)
-        weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks behind
+        self._unhook = weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks
         notes = precision_notes(self, target)  # the drafter computes in the target's dtype, on every path
         if tune:
             self._tuning = tune_for_device(target, self, **tune_options)
@@ -326,8 +327,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     def detach(self) -> "DCOCODrafter":
         """Undo `attach`: remove the hooks and restore the target's linear layers and attention. Returns self."""
         target = self._target_ref() if self._target_ref is not None else None
-        if self._tap is not None:
-            self._tap.remove()
+        if self._unhook is not None:
+            self._unhook()  # removes the tap's hooks, once
+        self._unhook = None
         if self._tuning is not None and target is not None:
             untune(target, self, self._tuning)
         self._target_ref, self._tap, self._tuning, self._draft_head = None, None, None, None
@@ -341,7 +343,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     def __getstate__(self) -> dict[str, Any]:
         # Copies and pickles carry weights, not the binding to a live target (re-attach the copy).
         state = super().__getstate__()
-        state.update(_target_ref=None, _tap=None, _tuning=None, _running=None, _last_engine=None, _draft_head=None)
+        state.update(
+            _target_ref=None, _tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _draft_head=None
+        )
         return state
 
     @property
