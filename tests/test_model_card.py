@@ -34,10 +34,11 @@ def test_folder_is_complete_and_hub_ready():
     assert "RESULTS_TABLE" not in (CARD / "README.md").read_text()
 
 
+@pytest.mark.parametrize("card", [CARD, ROOT / "model_cards" / "lilicorr-smollm2-135m"], ids=lambda p: p.name)
 @pytest.mark.parametrize("name", CODE_FILES)
-def test_shipped_code_matches_the_package(name):
+def test_shipped_code_matches_the_package(card, name):
     package = Path(dcoco_hf.__file__).parent / name
-    assert (CARD / name).read_text() == package.read_text(), f"run scripts/sync_model_card.py ({name} differs)"
+    assert (card / name).read_text() == package.read_text(), f"run scripts/sync_model_card.py {card} ({name} differs)"
 
 
 @pytest.mark.slow
