@@ -251,40 +251,23 @@ class BenchSettings:
 
 
 @contextmanager
-def _generation_fields(drafter: DCOCODrafter | None, **fields: Any) -> Iterator[None]:
-    """Set drafter generation-config `fields` for the duration of one call (`use_corrector`: off drafts plain DFlash
-    argmax blocks; `time_phases`: exact drafter / corrector / target times on a GPU, at one device sync per phase)."""
-    if drafter is None:
+def _fields_for_call(holder: Any | None, fields: dict[str, Any]) -> Iterator[None]:
+    """Set attributes `fields` of `holder` (a drafter's config or generation config; None: nothing) for the duration
+    of one call, then put back the value each had, or no value at all where it had none (the drafter's default)."""
+    if holder is None or not fields:
         yield
         return
-    config = drafter.generation_config
-    saved = {name: config.__dict__[name] for name in fields if name in config.__dict__}
+    saved = {name: vars(holder)[name] for name in fields if name in vars(holder)}
     for name, value in fields.items():
-        setattr(config, name, value)
+        setattr(holder, name, value)
     try:
         yield
     finally:
-        for name in fields:  # back to the value it had, or to no value at all (the drafter's default)
+        for name in fields:
             if name in saved:
-                setattr(config, name, saved[name])
+                setattr(holder, name, saved[name])
             else:
-                delattr(config, name)
-
-
-@contextmanager
-def _config_fields(drafter: DCOCODrafter | None, fields: dict[str, Any]) -> Iterator[None]:
-    """Set drafter config `fields` for the duration of one call; the drafter's config is restored afterwards."""
-    if drafter is None or not fields:
-        yield
-        return
-    saved = {name: getattr(drafter.config, name) for name in fields}
-    for name, value in fields.items():
-        setattr(drafter.config, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(drafter.config, name, value)
+                delattr(holder, name)
 
 
 class MethodRunner:
@@ -355,8 +338,10 @@ class MethodRunner:
         with (
             block_size_for_call(self.drafter, block_size),
             self.trace.record() as trace,
-            _config_fields(self.drafter, DCOCO_WALKS.get(base, {})),
-            _generation_fields(self.drafter, use_corrector=base != "dflash", time_phases=True),
+            _fields_for_call(self.drafter and self.drafter.config, DCOCO_WALKS.get(base, {})),
+            # use_corrector off drafts plain DFlash argmax blocks; time_phases gives exact phase times on a GPU
+            _fields_for_call(self.drafter and self.drafter.generation_config,
+                             {"use_corrector": base != "dflash", "time_phases": True}),
         ):
             kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
             if streamer is not None:
