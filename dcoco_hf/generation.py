@@ -205,7 +205,7 @@ def _speculative_loop(
     _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
     tap = drafter.tap
     with drafter.one_call():  # refuses a second thread's call while this one runs
-        tap.listen(timed=bool(getattr(drafter.generation_config, "time_phases", False)))  # GPU phase times: syncs
+        tap.listen(timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
         try:
             return _loop(target, drafter, input_ids, attention_mask, logits_processor, config, correct, selection, tap)
         finally:

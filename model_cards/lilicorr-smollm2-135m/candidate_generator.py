@@ -176,7 +176,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
         self._ended: tuple[int, float, list[int]] | None = None  # the tap's counters when the call ended
         # Phase times on a GPU need a device sync per phase, which stalls it: only when asked (the bench asks).
-        self.timed = bool(getattr(drafter.generation_config, "time_phases", False))
+        self.timed = drafter.time_phases
         self.tap.listen(self, timed=self.timed)
 
     def get_candidates(

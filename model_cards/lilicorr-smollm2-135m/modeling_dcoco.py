@@ -336,6 +336,12 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         return self
 
     @property
+    def time_phases(self) -> bool:
+        """Whether drafting and the tap wait for the device to time each phase (`generation_config.time_phases`;
+        exact times on a GPU at one sync per phase, which the bench asks for; on CPU times are exact anyway)."""
+        return bool(getattr(self.generation_config, "time_phases", False))
+
+    @property
     def tuning(self) -> Tuning | None:
         """What `attach` did to make target and drafter fast here (None with `tune=False`)."""
         return self._tuning
