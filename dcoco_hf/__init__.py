@@ -7,7 +7,7 @@ contextual corrector.
 """
 
 from .block_choice import BlockSizeChoice, choose_block_size, set_block_size
-from .candidate_generator import DCOCOCandidateGenerator, DCOCOStats
+from .candidate_generator import DCOCOCandidateGenerator
 from .configuration_dcoco import DCOCOConfig
 from .context_cache import DraftContextCache
 from .corrector import (
@@ -22,6 +22,7 @@ from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
 from .generation import SpeculativeOutput, speculative_generate
 from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
+from .stats import DCOCOStats
 from .tap import TargetTap
 from .tuning import Tuning, tune, untune
 

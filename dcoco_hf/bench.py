@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,9 +40,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from .assets import chat_input_ids
 from .block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
-from .candidate_generator import DCOCOStats
 from .device import device_sync
 from .modeling_dcoco import DCOCODrafter
+from .stats import DCOCOStats
 from .tap import forward_inputs
 
 METHODS = (
@@ -91,69 +91,6 @@ def _log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Acceptance:
-    """Drafted and accepted tokens of one or more generate() calls.
-
-    A cycle is one target forward that verified at least one drafted token. `accepted[i]` is the number of drafted
-    tokens that cycle committed; slot j (0-based) was proposed in `slot_proposed[j]` cycles, reached (proposed with
-    every slot before it accepted) in `slot_reached[j]` and accepted in `slot_accepted[j]` of them.
-    """
-
-    target_forwards: int = 0
-    accepted: list[int] = field(default_factory=list)
-    slot_proposed: list[int] = field(default_factory=list)
-    slot_accepted: list[int] = field(default_factory=list)
-    slot_reached: list[int] = field(default_factory=list)
-
-    def add_cycle(self, drafted: int, accepted: int) -> None:
-        grow = drafted - len(self.slot_proposed)
-        if grow > 0:
-            self.slot_proposed += [0] * grow
-            self.slot_accepted += [0] * grow
-            self.slot_reached += [0] * grow
-        self.accepted.append(accepted)
-        for slot in range(drafted):
-            self.slot_proposed[slot] += 1
-            self.slot_reached[slot] += slot <= accepted
-            self.slot_accepted[slot] += slot < accepted
-
-    def merge(self, other: Acceptance) -> Acceptance:
-        width = max(len(self.slot_proposed), len(other.slot_proposed))
-
-        def add(mine: list[int], theirs: list[int]) -> list[int]:
-            return [a + b for a, b in zip(_padded(mine, width), _padded(theirs, width))]
-
-        return Acceptance(
-            target_forwards=self.target_forwards + other.target_forwards,
-            accepted=self.accepted + other.accepted,
-            slot_proposed=add(self.slot_proposed, other.slot_proposed),
-            slot_accepted=add(self.slot_accepted, other.slot_accepted),
-            slot_reached=add(self.slot_reached, other.slot_reached),
-        )
-
-    def accept_hist(self) -> dict[str, int]:
-        counts: dict[int, int] = {}
-        for value in self.accepted:
-            counts[value] = counts.get(value, 0) + 1
-        return {str(length): counts[length] for length in sorted(counts)}  # JSON keys are strings
-
-    def per_slot_accept(self) -> list[float | None]:
-        return [a / p if p else None for a, p in zip(self.slot_accepted, self.slot_proposed)]
-
-    def chain_accept(self) -> list[float | None]:
-        """Per slot, the share accepted of the cycles that reached it (every slot before it accepted).
-
-        tau is about 1 + the sum over j of the products of the first j of these, so they show where a corrector can
-        earn: under the prefix-first walk it changes slots 2 and later, and only in cycles that reach them.
-        """
-        return [a / r if r else None for a, r in zip(self.slot_accepted, self.slot_reached)]
-
-
-def _padded(values: list[int], width: int) -> list[int]:
-    return values + [0] * (width - len(values))
-
-
 class ForwardTrace:
     """Records, for every forward of `target` while recording, its cache length and input length.
 
@@ -190,18 +127,18 @@ class ForwardTrace:
         # Copying a static cache's live length tensor instead of int() avoids a device sync per forward on GPUs.
         self.calls.append((start.clone() if isinstance(start, torch.Tensor) else start, width))
 
-    def acceptance(self, prompt_len: int, final_len: int) -> Acceptance:
+    def acceptance(self, prompt_len: int, final_len: int) -> DCOCOStats:
         """Drafted/accepted tokens per verification of a call that turned `prompt_len` tokens into `final_len`."""
         starts = [int(start) for start, _ in self.calls]
         widths = [width for _, width in self.calls]
-        result = Acceptance(target_forwards=len(starts))
+        result = DCOCOStats(target_forwards=len(starts))
         committed = prompt_len  # committed tokens when forward i runs
         for i, (start, width) in enumerate(zip(starts, widths)):
             drafted = width - (committed - start)  # inputs beyond the committed tokens are drafts
             # The next forward starts where this one's committed tokens end, minus the one not yet in the cache.
             next_committed = starts[i + 1] + 1 if i + 1 < len(starts) else final_len
             if drafted > 0:
-                result.add_cycle(drafted, max(0, min(drafted, next_committed - committed - 1)))
+                result.observe_draft(drafted, max(0, min(drafted, next_committed - committed - 1)))
             committed = next_committed
         return result
 
@@ -216,7 +153,7 @@ class RunRecord:
     prompt_tokens: int
     new_tokens: int
     seconds: float
-    acceptance: Acceptance
+    acceptance: DCOCOStats  # drafts and acceptance of every method, from the trace of target forwards
     dcoco: DCOCOStats | None = None
     output: list[int] | None = None  # kept until compared with vanilla, then dropped
     equal_to_vanilla: bool | None = None
@@ -448,9 +385,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
     seconds = sum(r.seconds for r in records)
     new_tokens = sum(r.new_tokens for r in records)
     rate = new_tokens / seconds if seconds > 0 else None
-    acceptance = Acceptance()
-    for record in records:
-        acceptance = acceptance.merge(record.acceptance)
+    acceptance = sum((r.acceptance for r in records), DCOCOStats())
     equal = [r.equal_to_vanilla for r in records]
     summary: dict[str, Any] = {
         "prompts": len(records),
@@ -461,7 +396,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         "tau": new_tokens / max(acceptance.target_forwards, 1),
         "target_forwards": acceptance.target_forwards,
         "cycles": len(acceptance.accepted),
-        "mean_accepted": sum(acceptance.accepted) / len(acceptance.accepted) if acceptance.accepted else None,
+        "mean_accepted": acceptance.mean_accepted,
         "accept_hist": acceptance.accept_hist(),
         "per_slot_accept": acceptance.per_slot_accept(),
         "chain_accept": acceptance.chain_accept(),
@@ -477,9 +412,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
     }
     dcoco = [r.dcoco for r in records if r.dcoco is not None]
     if dcoco:
-        merged = dcoco[0]
-        for stats in dcoco[1:]:
-            merged = merged.merge(stats)
+        merged = sum(dcoco[1:], dcoco[0])
         totals = merged.as_dict()
         summary.update(
             {key: totals[key] for key in (
@@ -588,7 +521,6 @@ def format_report(report: dict[str, Any]) -> str:
 __all__ = [
     "DRAFTER_METHODS",
     "METHODS",
-    "Acceptance",
     "BenchSettings",
     "ForwardTrace",
     "MethodRunner",

@@ -70,7 +70,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
-from .candidate_generator import DCOCOStats
+from .stats import DCOCOStats
 from .context_cache import DraftContextCache
 
 if TYPE_CHECKING:

@@ -18,8 +18,6 @@ probability q_target(y) and resamples from q_target restricted to v != y, which 
 from __future__ import annotations
 
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,113 +29,10 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .context_cache import DraftContextCache
+from .stats import DCOCOStats
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter, DraftProposal
-
-
-@dataclass
-class DCOCOStats:
-    """Per-call statistics: tau = committed tokens per target forward (accepted drafts + the target's own token)."""
-
-    block_size: int
-    top_k: int
-    cycles: int = 0
-    committed_tokens: int = 0
-    target_forwards: int = 0
-    accepted: list[int] = field(default_factory=list)
-    drafter_seconds: float = 0.0
-    corrector_seconds: float = 0.0
-    target_seconds: float = 0.0
-    # per drafted slot (1..S): cycles whose slot was proposed / accepted / whose committed token was top-1 / top-K
-    slot_proposed: list[int] = field(default_factory=list)
-    slot_accepted: list[int] = field(default_factory=list)
-    slot_top1: list[int] = field(default_factory=list)
-    slot_topk: list[int] = field(default_factory=list)
-    slot_seen: list[int] = field(default_factory=list)
-    # per drafted slot s: cycles whose committed tokens at slots 1..s were all top-1 / all inside the top-K / top-1
-    # at slot 1 and inside the top-K after it (the most the paper's prefix-first walk can reach)
-    prefix_top1: list[int] = field(default_factory=list)
-    prefix_topk: list[int] = field(default_factory=list)
-    prefix_walk: list[int] = field(default_factory=list)
-
-    _SLOT_FIELDS = ("slot_proposed", "slot_accepted", "slot_top1", "slot_topk", "slot_seen", "prefix_top1",
-                    "prefix_topk", "prefix_walk")
-
-    def __post_init__(self) -> None:
-        slots = self.block_size - 1
-        for name in self._SLOT_FIELDS:
-            if not getattr(self, name):
-                setattr(self, name, [0] * slots)
-
-    @property
-    def tau(self) -> float:
-        return self.committed_tokens / max(self.target_forwards, 1)
-
-    @property
-    def mean_accepted(self) -> float:
-        return sum(self.accepted) / max(len(self.accepted), 1)
-
-    def accept_hist(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.accepted).items()))
-
-    def prefix_tau(self, runs: str) -> float | None:
-        """Tokens per verify these cycles would commit if each kept its longest run of right slots, counting a slot
-        right when the committed token was
-        - "top1": the drafter's top-1 (what argmax drafting of the same blocks earns);
-        - "topk": anywhere in its top-K (the ceiling of every walk over these candidates, a perfect corrector's);
-        - "walk": the top-1 at slot 1 and anywhere in the top-K after it (the ceiling of the paper's prefix-first
-          walk, which only re-selects successors).
-        """
-        prefixes = {"top1": self.prefix_top1, "topk": self.prefix_topk, "walk": self.prefix_walk}
-        if runs not in prefixes:
-            raise ValueError(f"runs={runs!r} is unknown; choose one of {sorted(prefixes)}.")
-        prefix = prefixes[runs]
-        if not self.slot_seen or not self.slot_seen[0]:
-            return None
-        return 1 + sum(n / d for n, d in zip(prefix, self.slot_seen) if d)
-
-    def as_dict(self) -> dict[str, Any]:
-        def ratio(num: list[int], den: list[int]) -> list[float | None]:
-            return [n / d if d else None for n, d in zip(num, den)]
-
-        return {
-            "cycles": self.cycles,
-            "committed_tokens": self.committed_tokens,
-            "target_forwards": self.target_forwards,
-            "tau": self.tau,
-            "mean_accepted": self.mean_accepted,
-            "accept_hist": self.accept_hist(),
-            "per_slot_accept": ratio(self.slot_accepted, self.slot_proposed),
-            "coverage_top1": ratio(self.slot_top1, self.slot_seen),
-            "coverage_topk": ratio(self.slot_topk, self.slot_seen),
-            "argmax_prefix_tau": self.prefix_tau("top1"),
-            "topk_ceiling_tau": self.prefix_tau("topk"),
-            "walk_ceiling_tau": self.prefix_tau("walk"),
-            "drafter_seconds": self.drafter_seconds,
-            "corrector_seconds": self.corrector_seconds,
-            "target_seconds": self.target_seconds,
-        }
-
-    def observe_draft(self, drafted: int, accepted: int, committed: int) -> None:
-        """One cycle: `drafted` tokens proposed, the first `accepted` of them taken, `committed` tokens written."""
-        self.cycles += 1
-        self.committed_tokens += committed
-        self.accepted.append(accepted)
-        for slot in range(drafted):
-            self.slot_proposed[slot] += 1
-            self.slot_accepted[slot] += slot < accepted
-
-    def merge(self, other: "DCOCOStats") -> "DCOCOStats":
-        """Sum of two runs' statistics (for benchmark totals)."""
-        merged = DCOCOStats(self.block_size, self.top_k)
-        for name in ("cycles", "committed_tokens", "target_forwards", "drafter_seconds", "corrector_seconds",
-                     "target_seconds"):
-            setattr(merged, name, getattr(self, name) + getattr(other, name))
-        merged.accepted = self.accepted + other.accepted
-        for name in self._SLOT_FIELDS:
-            setattr(merged, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
-        return merged
 
 
 class DCOCOCandidateGenerator(CandidateGenerator):
@@ -311,21 +206,10 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             raise RuntimeError(_OTHER_CALL)
 
     def _book_coverage(self, sequence: torch.LongTensor) -> None:
-        """Per slot: was the token finally committed at that position the drafter's top-1, or inside its top-K?"""
-        stats = self.stats
+        """Per drafted block: which of its candidates were the tokens finally committed there."""
         for length, candidates in self._slot_candidates:  # candidates [S, K]
             truth = sequence[length : length + candidates.shape[0]].to(candidates.device)
-            hits = candidates[: truth.shape[0]] == truth[:, None]  # [s, K]
-            top1_run = hits[:, 0].long().cumprod(0)  # [s] 1 while every slot so far was top-1
-            topk_run = hits.any(-1).long().cumprod(0)  # [s] 1 while every slot so far was inside the top-K
-            walk_run = topk_run * hits[0, 0].long()  # [s] the same, with slot 1 the drafter's top-1
-            for slot in range(truth.shape[0]):
-                stats.slot_seen[slot] += 1
-                stats.slot_top1[slot] += bool(hits[slot, 0])
-                stats.slot_topk[slot] += bool(hits[slot].any())
-                stats.prefix_top1[slot] += int(top1_run[slot])
-                stats.prefix_topk[slot] += int(topk_run[slot])
-                stats.prefix_walk[slot] += int(walk_run[slot])
+            self.stats.observe_candidates(candidates[: truth.shape[0]] == truth[:, None])  # [s, K]
         self._slot_candidates = []
 
 

@@ -1,0 +1,186 @@
+"""`DCOCOStats`: the one record of what speculative decoding did in one or more generate() calls.
+
+Every counter is filled through an `observe_*` method by whoever sees the event: both engines (the assisted path's
+`DCOCOCandidateGenerator` and the batched `speculative_generate`) observe their own drafts and, at the end of a call,
+which committed tokens were in each slot's candidates; the benchmark observes the drafts of every method, DCOCO's or
+not, from its trace of target forwards. Rates (tau, per-slot and chain acceptance, the ceilings of tau) are read
+from the counters on demand, so merging runs is a sum and nothing is counted twice.
+
+The tau ceilings follow the DCOCO paper's analysis of the prefix-first walk: committing stops at the first wrong slot,
+so a slot counts only while every slot before it was right.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Counters kept per drafted slot (index 0 = slot 1); they grow to the longest block observed.
+_SLOT_COUNTERS = (
+    "slot_proposed", "slot_reached", "slot_accepted", "slot_seen", "slot_top1", "slot_topk", "prefix_top1",
+    "prefix_topk", "prefix_walk",
+)
+_SCALAR_COUNTERS = (
+    "cycles", "committed_tokens", "target_forwards", "drafter_seconds", "corrector_seconds", "target_seconds",
+)
+
+
+@dataclass
+class DCOCOStats:
+    """Counters of drafting and verification. tau = committed tokens per target forward.
+
+    Args:
+        block_size: the drafted block (anchor + slots) the counters are first sized for; 0 for "grow as observed".
+        top_k: candidates per slot (reported only).
+    """
+
+    block_size: int = 0
+    top_k: int = 0
+    cycles: int = 0
+    committed_tokens: int = 0
+    target_forwards: int = 0
+    accepted: list[int] = field(default_factory=list)  # drafted tokens committed, per cycle
+    drafter_seconds: float = 0.0
+    corrector_seconds: float = 0.0
+    target_seconds: float = 0.0
+    # per drafted slot: cycles that proposed it / reached it (every slot before it accepted) / accepted it
+    slot_proposed: list[int] = field(default_factory=list)
+    slot_reached: list[int] = field(default_factory=list)
+    slot_accepted: list[int] = field(default_factory=list)
+    # per drafted slot: cycles whose committed token there is known / was the drafter's top-1 / inside its top-K
+    slot_seen: list[int] = field(default_factory=list)
+    slot_top1: list[int] = field(default_factory=list)
+    slot_topk: list[int] = field(default_factory=list)
+    # per drafted slot s: cycles whose committed tokens at slots 1..s were all top-1 / all inside the top-K / top-1
+    # at slot 1 and inside the top-K after it (the most the paper's prefix-first walk can reach)
+    prefix_top1: list[int] = field(default_factory=list)
+    prefix_topk: list[int] = field(default_factory=list)
+    prefix_walk: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._grow(self.block_size - 1)
+
+    def _grow(self, slots: int) -> None:
+        for name in _SLOT_COUNTERS:
+            counts = getattr(self, name)
+            counts += [0] * (slots - len(counts))
+
+    # ------------------------------------------------------------------------------------------------ observing
+
+    def observe_draft(self, drafted: int, accepted: int, committed: int | None = None) -> None:
+        """One verification: `drafted` tokens proposed, the first `accepted` of them taken and `committed` tokens
+        written in all (default accepted + 1: the target's own token after the accepted drafts)."""
+        self._grow(drafted)
+        self.cycles += 1
+        self.committed_tokens += accepted + 1 if committed is None else committed
+        self.accepted.append(accepted)
+        for slot in range(drafted):
+            self.slot_proposed[slot] += 1
+            self.slot_reached[slot] += slot <= accepted
+            self.slot_accepted[slot] += slot < accepted
+
+    def observe_candidates(self, hits: torch.Tensor) -> None:
+        """One drafted block's candidates against the tokens finally committed there: hits [s, K] is True where
+        candidate k of slot j is the committed token (s <= slots: the sequence may end inside the block)."""
+        self._grow(hits.shape[0])
+        top1 = hits[:, 0].long()  # [s]
+        topk = hits.any(-1).long()  # [s]
+        runs = {  # [s] 1 while every slot so far was right in that sense
+            "prefix_top1": top1.cumprod(0), "prefix_topk": topk.cumprod(0),
+            "prefix_walk": topk.cumprod(0) * top1[:1],
+        }
+        rows = {"slot_top1": top1, "slot_topk": topk, **runs}
+        for name, values in rows.items():
+            counts = getattr(self, name)
+            for slot, value in enumerate(values.tolist()):
+                counts[slot] += value
+        for slot in range(hits.shape[0]):
+            self.slot_seen[slot] += 1
+
+    def merge(self, other: DCOCOStats) -> DCOCOStats:
+        """The sum of two runs' counters (benchmark totals)."""
+        merged = DCOCOStats(max(self.block_size, other.block_size), max(self.top_k, other.top_k))
+        for name in _SCALAR_COUNTERS:
+            setattr(merged, name, getattr(self, name) + getattr(other, name))
+        merged.accepted = self.accepted + other.accepted
+        width = max(len(getattr(stats, name)) for stats in (self, other) for name in _SLOT_COUNTERS)
+        for name in _SLOT_COUNTERS:
+            mine, theirs = _padded(getattr(self, name), width), _padded(getattr(other, name), width)
+            setattr(merged, name, [a + b for a, b in zip(mine, theirs)])
+        return merged
+
+    __add__ = merge  # sum(stats_list, DCOCOStats())
+
+    # ---------------------------------------------------------------------------------------------------- rates
+
+    @property
+    def tau(self) -> float:
+        return self.committed_tokens / max(self.target_forwards, 1)
+
+    @property
+    def mean_accepted(self) -> float | None:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else None
+
+    def accept_hist(self) -> dict[str, int]:
+        """Cycles per accepted length (string keys, as JSON writes them)."""
+        return {str(length): count for length, count in sorted(Counter(self.accepted).items())}
+
+    def per_slot_accept(self) -> list[float | None]:
+        return _ratios(self.slot_accepted, self.slot_proposed)
+
+    def chain_accept(self) -> list[float | None]:
+        """Per slot, the share accepted of the cycles that reached it (every slot before it accepted).
+
+        tau is about 1 + the sum over j of the products of the first j of these, so they show where a corrector can
+        earn: under the prefix-first walk it changes slots 2 and later, and only in cycles that reach them.
+        """
+        return _ratios(self.slot_accepted, self.slot_reached)
+
+    def prefix_tau(self, runs: str) -> float | None:
+        """Tokens per verify these cycles would commit if each kept its longest run of right slots, counting a slot
+        right when the committed token was
+        - "top1": the drafter's top-1 (what argmax drafting of the same blocks earns);
+        - "topk": anywhere in its top-K (the ceiling of every walk over these candidates, a perfect corrector's);
+        - "walk": the top-1 at slot 1 and anywhere in the top-K after it (the ceiling of the paper's prefix-first
+          walk, which only re-selects successors).
+        """
+        prefixes = {"top1": self.prefix_top1, "topk": self.prefix_topk, "walk": self.prefix_walk}
+        if runs not in prefixes:
+            raise ValueError(f"runs={runs!r} is unknown; choose one of {sorted(prefixes)}.")
+        if not self.slot_seen or not self.slot_seen[0]:
+            return None
+        return 1 + sum(n / d for n, d in zip(prefixes[runs], self.slot_seen) if d)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cycles": self.cycles,
+            "committed_tokens": self.committed_tokens,
+            "target_forwards": self.target_forwards,
+            "tau": self.tau,
+            "mean_accepted": self.mean_accepted,
+            "accept_hist": self.accept_hist(),
+            "per_slot_accept": self.per_slot_accept(),
+            "chain_accept": self.chain_accept(),
+            "coverage_top1": _ratios(self.slot_top1, self.slot_seen),
+            "coverage_topk": _ratios(self.slot_topk, self.slot_seen),
+            "argmax_prefix_tau": self.prefix_tau("top1"),
+            "topk_ceiling_tau": self.prefix_tau("topk"),
+            "walk_ceiling_tau": self.prefix_tau("walk"),
+            "drafter_seconds": self.drafter_seconds,
+            "corrector_seconds": self.corrector_seconds,
+            "target_seconds": self.target_seconds,
+        }
+
+
+def _ratios(numerators: list[int], denominators: list[int]) -> list[float | None]:
+    return [n / d if d else None for n, d in zip(numerators, denominators)]
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    return values + [0] * (width - len(values))
+
+
+__all__ = ["DCOCOStats"]
