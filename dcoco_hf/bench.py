@@ -27,7 +27,6 @@ tau for the prefix-first walk and for any walk, drafter and corrector time) come
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from .assets import chat_input_ids
 from .block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
 from .device import device_sync
+from .logs import log
 from .modeling_dcoco import DCOCODrafter
 from .stats import DCOCOStats
 from .tap import forward_inputs
@@ -79,11 +79,6 @@ def split_method(name: str) -> tuple[str, int | None]:
             "and a block of at least 2 (the anchor plus one drafted token), e.g. dcoco@3"
         )
     return base, int(block)
-
-
-def _log(message: str) -> None:
-    """Progress goes to stderr so that stdout holds only the result table."""
-    print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -358,7 +353,7 @@ def run_bench(
             records += sorted(row, key=lambda record: methods.index(record.method))
             if progress:
                 timings = ", ".join(f"{r.method} {r.seconds:.2f}s" for r in records[-len(methods):])
-                _log(f"prompt {position + 1}/{len(prompts)} ({item.suite} #{item.index}): {timings}")
+                log(f"prompt {position + 1}/{len(prompts)} ({item.suite} #{item.index}): {timings}")
     finally:
         runner.close()
     return records

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import logging
 import os
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from .bench import (
     split_method,
 )
 from .cpu_attention import CPU_GQA_ATTENTION
+from .logs import log
 from .modeling_dcoco import DCOCODrafter
 from .plots import write_plots
 from .precision import describe_quantization
@@ -375,10 +375,6 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str)
             exit_code=1,
         ) from None
     return drafter.to(device).eval()
-
-
-def log(message: str) -> None:
-    print(f"[dcoco-hf] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -70,8 +70,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
-from .stats import DCOCOStats
 from .context_cache import DraftContextCache
+from .stats import DCOCOStats
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter

@@ -46,9 +46,10 @@ from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
+from .logs import log
 from .precision import precision_notes
 from .tap import TargetTap, decoder_layers
-from .tuning import Tuning, logger, untune
+from .tuning import Tuning, untune
 from .tuning import tune as tune_for_device
 
 
@@ -319,9 +320,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if tune:
             self._tuning = tune_for_device(target, self, **tune_options)
             self._tuning.notes += notes
-            logger.info(self._tuning.summary())
+            log(self._tuning.summary())
         elif notes:
-            logger.info("; ".join(notes))
+            log("; ".join(notes))
         return self
 
     def detach(self) -> "DCOCODrafter":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import platform
 from collections.abc import Sequence
@@ -46,17 +45,10 @@ from .cpu_linear import (
     restore_linear,
     use_few_rows_linear,
 )
+from .logs import logger
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
-
-logger = logging.getLogger("dcoco_hf")
-if not logger.handlers:  # attach's one line is shown by default; logging.getLogger("dcoco_hf").setLevel(...) hides it
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[dcoco-hf] %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 # Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
 _CACHE_VERSION = 1
