@@ -12,8 +12,12 @@ all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanill
 share of the time and equality with plain greedy are measured exactly as `dcoco-hf bench` measures them. fp32, with
 the CLI's CPU speed-ups (the "sdpa_cpu_gqa" attention and few-rows linear layouts, given as measured on our machine).
 
-    python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 20 --max-new-tokens 96 \
+    python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 40 --max-new-tokens 96 \
         --json docs/bench_lilicorr.json
+    python scripts/bench_lilicorr.py --render docs/bench_lilicorr.json --write docs/lilicorr.md   # its table
+
+Summaries are kept per suite and per segment of 20 prompts (1-20, 21-40), so a choice tuned on the first prompts is
+checked on prompts it was not made on.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from dcoco_hf.bench import (
     BenchSettings,
+    summarise,
     MethodRunner,
     _compare_with_vanilla,
     build_report,
@@ -47,6 +52,9 @@ from dcoco_hf.cpu_linear import use_few_rows_linear
 ROOT = Path(__file__).resolve().parents[1]
 # The few-rows layouts `attach` measured for SmolLM2-135M on the 2-core AMD EPYC machine of docs/lilicorr.md.
 TARGET_LAYOUT = {2: "transposed", 3: "transposed", 4: "packed", 5: "packed", 6: "transposed"}
+SEGMENT = 20  # prompts per reported segment of a suite
+TABLE_START, TABLE_END = "<!-- bench_lilicorr table: start -->", "<!-- bench_lilicorr table: end -->"
+SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,11 +68,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--plain-linear", action="store_true", help="keep torch's F.linear for few-row forwards")
     p.add_argument("--json", default=None, help="write the report (summaries, configuration, every call) here")
+    p.add_argument("--render", default=None, metavar="REPORT.json", help="print the markdown table of a finished "
+                   "report instead of benchmarking")
+    p.add_argument("--write", default=None, metavar="DOC.md", help="with --render: replace the table in DOC.md "
+                   f"between {TABLE_START} and {TABLE_END}")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.render:
+        table = markdown_table(json.loads(Path(args.render).read_text()), args.render)
+        if args.write:
+            write_between_markers(Path(args.write), table)
+        print(table)
+        return
     prompts = round_robin(collect_prompts(args))  # suites alternate, so a run cut short still covers each
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer, target_name = load_target(args.target, device, torch.float32, "sdpa")  # fp32: token-exact
@@ -133,10 +151,52 @@ def write_report(args: argparse.Namespace, records: list, labels: list[str], pla
               "prompts_planned": planned, "prompts_done": len(records) // len(labels), "skip": args.skip,
               "limit": args.limit}
     report = build_report(records, labels, config)
+    report["segments"] = {  # suite -> "1-20" -> method -> summary
+        suite: {f"{start + 1}-{start + SEGMENT}": summarise(
+            [r for r in records if r.suite == suite and start <= r.prompt_index < start + SEGMENT], labels)
+            for start in sorted({SEGMENT * (r.prompt_index // SEGMENT) for r in records if r.suite == suite})}
+        for suite in report["suites"]
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def markdown_table(report: dict, source: str) -> str:
+    """One table of the report: per suite and segment, each method's tau, ratio to DFlash, speed, head share."""
+    labels = list(report["methods"])
+    dflash = next(label for label in labels if label.startswith("dflash"))
+    lines = [
+        f"`python scripts/bench_lilicorr.py --render {source}` ({report['config']['command']}):",
+        "",
+        "| prompts | method | tau | tau / DFlash | speedup over greedy | head share of time | chain accept "
+        "(slots 1-3) | output == greedy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for suite, segments in report["segments"].items():
+        for segment, methods in segments.items():
+            for label in labels:
+                m = methods[label]
+                if not m["prompts"]:
+                    continue
+                chain = " / ".join(f"{rate:.2f}" for rate in m["chain_accept"][:3] if rate is not None) or "-"
+                share = "-" if m["corrector_share"] is None else f"{100 * m['corrector_share']:.1f}%"
+                ratio = "-" if label == "vanilla" else f"{m['tau'] / methods[dflash]['tau']:.3f}"
+                equal = round(m["equal_to_vanilla"] * m["prompts"])
+                lines.append(
+                    f"| {SUITE_NAMES.get(suite, suite)} {segment} | {label} | {m['tau']:.2f} | {ratio} | "
+                    f"{m['speedup']:.2f}x | {share} | {chain} | {equal}/{m['prompts']} |"
+                )
+    return "\n".join(lines)
+
+
+def write_between_markers(doc: Path, table: str) -> None:
+    text = doc.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit(f"{doc}: add the lines {TABLE_START} and {TABLE_END} where the table goes")
+    head, rest = text.split(TABLE_START, 1)
+    doc.write_text(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{rest.split(TABLE_END, 1)[1]}")
 
 
 if __name__ == "__main__":

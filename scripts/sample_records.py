@@ -1,15 +1,19 @@
-"""Write a fixed-seed sample of a regenerated data folder as a one-shard folder (plus SOURCE.txt naming the records).
+"""Write samples of regenerated answer sets as one-shard folders (plus SOURCE.txt naming the records).
 
-Used where a recipe trains on part of an answer set, e.g. the LiLiCorr head (recipes/smollm2/lilicorr.yaml), whose
-feature cache on a 2-core machine could not hold the whole set:
+Used where a recipe trains on part of the answer sets, e.g. the LiLiCorr head (recipes/smollm2/lilicorr.yaml), whose
+target-feature cache on a 2-core machine could not hold the whole sets. Two ways:
 
-    python scripts/sample_records.py model_cards/smollm2-135m-code-answers data/lili2/code --count 96 \
-        --exclude data/lili/code
+    # draw a new sample (fixed seed), leaving out records earlier samples took
+    python scripts/sample_records.py --source model_cards/smollm2-135m-code-answers --output data/lili/code-d \
+        --count 96 --exclude data/lili/code data/lili/code-b
+    # rebuild the exact folders a recipe names from their committed record lists
+    python scripts/sample_records.py --from-list recipes/smollm2/lilicorr-records.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 from pathlib import Path
@@ -27,32 +31,44 @@ def sampled_indices(total: int, count: int, seed: int, exclude: set[int]) -> lis
     return sorted(random.Random(seed).sample(pool, count))
 
 
-def listed_indices(folder: Path) -> set[int]:
+def listed_indices(folder: Path) -> list[int]:
     """The record indices a sampled folder's SOURCE.txt lists."""
     source = folder / "SOURCE.txt"
     if not source.exists():
-        raise SystemExit(f"--exclude {folder}: no SOURCE.txt there (it must be a folder this script wrote)")
-    return {int(index) for index in re.findall(r"\d+", source.read_text().split(":", 1)[1])}
+        raise SystemExit(f"{folder}: no SOURCE.txt there (it must be a folder this script wrote)")
+    return [int(index) for index in re.findall(r"\d+", source.read_text().split(":", 1)[1])]
+
+
+def write_sample(source: Path, output: Path, indices: list[int], note: str) -> None:
+    records = load_shards(source)
+    if indices and max(indices) >= len(records):
+        raise SystemExit(f"{output}: record {max(indices)} is not in {source} ({len(records)} records); regenerate "
+                         "the answer set that list was drawn from")
+    output.mkdir(parents=True, exist_ok=True)
+    torch.save([records[index] for index in indices], output / "shard-00000.pt")
+    (output / "SOURCE.txt").write_text(f"{len(indices)} records {note} from {source}: {indices}\n")
+    print(f"{output}: {len(indices)} of {len(records)} records")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", type=Path, help="a regenerated data folder (shard-*.pt)")
-    p.add_argument("output", type=Path, help="the folder to write (shard-00000.pt and SOURCE.txt)")
-    p.add_argument("--count", type=int, required=True, help="records to sample")
+    p.add_argument("--from-list", type=Path, help="JSON {output folder: {source, indices}}: rebuild every folder")
+    p.add_argument("--source", type=Path, help="a regenerated data folder (shard-*.pt) to sample")
+    p.add_argument("--output", type=Path, help="the folder to write (shard-00000.pt and SOURCE.txt)")
+    p.add_argument("--count", type=int, help="records to sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exclude", type=Path, nargs="*", default=[], help="sampled folders whose records to leave out")
     args = p.parse_args()
-    records = load_shards(args.source)
-    exclude = set().union(*(listed_indices(folder) for folder in args.exclude))
-    indices = sampled_indices(len(records), args.count, args.seed, exclude)
-    args.output.mkdir(parents=True, exist_ok=True)
-    torch.save([records[index] for index in indices], args.output / "shard-00000.pt")
-    (args.output / "SOURCE.txt").write_text(
-        f"{len(indices)} records sampled (random.seed({args.seed})) from {args.source}"
-        + (f", none of {', '.join(map(str, args.exclude))}" if args.exclude else "") + f": {indices}\n"
-    )
-    print(f"{args.output}: {len(indices)} of {len(records)} records")
+    if args.from_list is not None:
+        for output, entry in json.loads(args.from_list.read_text()).items():
+            write_sample(Path(entry["source"]), Path(output), entry["indices"], f"listed in {args.from_list}")
+        return
+    if args.source is None or args.output is None or args.count is None:
+        p.error("give --from-list FILE, or --source, --output and --count to draw a new sample")
+    exclude = {index for folder in args.exclude for index in listed_indices(folder)}
+    total = len(load_shards(args.source))
+    indices = sampled_indices(total, args.count, args.seed, exclude)
+    write_sample(args.source, args.output, indices, f"sampled (random.seed({args.seed}))")
 
 
 if __name__ == "__main__":

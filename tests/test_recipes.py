@@ -71,3 +71,37 @@ def test_draft_block_size_needs_init(script, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(["--stage", "1", "--data", "d", "--output", "o", "--draft-block-size", "4"])
     assert "--draft-block-size sets the drafted block of an existing drafter" in capsys.readouterr().err
+
+
+def test_sampled_data_folders_rebuild_exactly_from_their_record_list(tmp_path, monkeypatch):
+    """scripts/sample_records.py: a new sample leaves out the records an earlier one took, and --from-list rebuilds a
+    folder record for record (the LiLiCorr recipe's data is rebuilt this way)."""
+    import json
+    import runpy
+    import sys
+
+    import torch
+
+    source = tmp_path / "answers"
+    source.mkdir()
+    records = [{"input_ids": torch.tensor([i, i + 1]), "loss_mask": torch.tensor([0, 1])} for i in range(10)]
+    torch.save(records[:6], source / "shard-00000.pt")
+    torch.save(records[6:], source / "shard-00001.pt")
+    script = str(REPO / "scripts" / "sample_records.py")
+
+    def run(*argv: str) -> None:
+        monkeypatch.setattr(sys, "argv", [script, *map(str, argv)])
+        runpy.run_path(script, run_name="__main__")
+
+    run("--source", source, "--output", tmp_path / "a", "--count", 4)
+    run("--source", source, "--output", tmp_path / "b", "--count", 6, "--exclude", tmp_path / "a")
+    first, second = (torch.load(tmp_path / name / "shard-00000.pt") for name in "ab")
+    taken = [int(r["input_ids"][0]) for r in first + second]
+    assert sorted(taken) == list(range(10))  # disjoint, and together every record
+    listed = {str(tmp_path / "again"): {"source": str(source), "indices": sorted(taken[4:])}}
+    (tmp_path / "list.json").write_text(json.dumps(listed))
+    run("--from-list", tmp_path / "list.json")
+    again = torch.load(tmp_path / "again" / "shard-00000.pt")
+    assert [r["input_ids"].tolist() for r in again] == [r["input_ids"].tolist() for r in second]
+    with pytest.raises(SystemExit, match="only 0 records are left"):
+        run("--source", source, "--output", tmp_path / "c", "--count", 1, "--exclude", tmp_path / "a", tmp_path / "b")
