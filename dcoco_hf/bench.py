@@ -53,15 +53,17 @@ METHODS = (
 DRAFTER_METHODS = frozenset({"dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"})
 """Methods that need the DCOCO drafter."""
 
-# Drafter config fields each method of our engine sets for its calls; "dcoco" keeps the config's own. "dcoco-paper"
-# is the paper's walk, slot 1 left at the drafter argmax: against "dcoco" it isolates `correct_first_slot`.
+# The walk (a generation-config field) each method of our engine sets for its calls; "dcoco" keeps the drafter's
+# own. "dcoco-paper" is the paper's walk with slot 1 left at the drafter argmax (a config field, since the first-slot
+# score is part of the trained corrector): against "dcoco" it isolates `correct_first_slot`.
 DCOCO_WALKS: dict[str, dict[str, Any]] = {
     "dflash": {},
     "dcoco": {},
-    "dcoco-paper": {"selection": "prefix_first", "correct_first_slot": False},
+    "dcoco-paper": {"selection": "prefix_first"},
     "dcoco-viterbi": {"selection": "viterbi"},
     "dcoco-geometric": {"selection": "geometric"},
 }
+DCOCO_CONFIG_FIELDS: dict[str, dict[str, Any]] = {"dcoco-paper": {"correct_first_slot": False}}
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -270,10 +272,10 @@ class MethodRunner:
         with (
             block_size_for_call(self.drafter, block_size),
             self.trace.record() as trace,
-            _fields_for_call(self.drafter and self.drafter.config, DCOCO_WALKS.get(base, {})),
+            _fields_for_call(self.drafter and self.drafter.config, DCOCO_CONFIG_FIELDS.get(base, {})),
             # use_corrector off drafts plain DFlash argmax blocks; time_phases gives exact phase times on a GPU
             _fields_for_call(self.drafter and self.drafter.generation_config,
-                             {"use_corrector": base != "dflash", "time_phases": True}),
+                             {**DCOCO_WALKS.get(base, {}), "use_corrector": base != "dflash", "time_phases": True}),
         ):
             kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
             if streamer is not None:

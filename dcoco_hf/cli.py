@@ -270,7 +270,7 @@ def run_config(
         },
         "top_k": drafter.config.top_k if drafter is not None else None,
         "draft_vocab_size": drafter.config.draft_vocab_size if drafter is not None else None,
-        "selection": drafter.config.selection if drafter is not None else None,
+        "selection": drafter.decoding.selection if drafter is not None else None,
         "device": str(loaded.device),
         "device_name": (
             torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else cpu_name()

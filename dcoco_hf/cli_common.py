@@ -456,7 +456,7 @@ def attach_drafter(
             f"--block-size {requested} with block sizes in --methods: use one or the other (--block-size sets "
             "one block for every drafter method; dcoco@3,dcoco@4 compares blocks on the same prompts)"
         )
-    recorded = drafter.config.block_tau is not None
+    recorded = drafter.decoding.block_tau is not None
     if requested == "auto" and not recorded:
         raise CLIError(
             "--block-size auto: this drafter records no block_tau to weigh cycle times against; give a block size, "

@@ -10,6 +10,8 @@ load into this class. Their DFlash fields may sit at the top level or inside `df
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from transformers import PreTrainedConfig
@@ -43,10 +45,6 @@ class DCOCOConfig(PreTrainedConfig):
         top_k: candidates kept per slot by the corrector (K).
         corrector_rank: width r of the candidate representations and slot-pair state.
         corrector_hidden: hidden width of the transition MLP (3r + 2 -> corrector_hidden -> 1).
-        selection: how the block is read off the transition scores: "prefix_first" (the paper's walk; "greedy" in
-            older checkpoints), "viterbi" (best global path, paper's control) or "geometric" (global path with
-            transitions weighted by `geometric_lambda ** p`, paper's second control).
-        geometric_lambda: decay of the geometric walk.
         correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
         context_bigrams: the corrector's MLP also reads whether each candidate pair (a, b) already occurs in the
@@ -67,9 +65,11 @@ class DCOCOConfig(PreTrainedConfig):
         lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
         lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
             in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
-        block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
-            model card says which). With cycle times timed on the machine at hand it picks the block size of highest
-            tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
+
+    How the drafter decodes (the corrector's walk, the measured tau per block size) is no architecture: it lives in
+    the drafter's generation config (`DecodingChoices`). `selection`, `geometric_lambda` and `block_tau`, which
+    config.json held before, are still accepted here and kept in `legacy_decoding` (never saved) for the drafter to
+    move into its generation config.
     """
 
     model_type = "dcoco"
@@ -99,13 +99,10 @@ class DCOCOConfig(PreTrainedConfig):
     top_k: int = 16
     corrector_rank: int = 128
     corrector_hidden: int = 256
-    selection: str = "prefix_first"
-    geometric_lambda: float = 0.75
     correct_first_slot: bool = False
     context_bigrams: bool = False
     corpus_bigrams: int | None = None
     draft_vocab_size: int | None = None
-    block_tau: dict | None = None
     corrector_type: str = "dcoco"
     lilicorr_block_size: int | None = None
     lilicorr_hidden_size: int = 128
@@ -141,13 +138,10 @@ class DCOCOConfig(PreTrainedConfig):
         top_k: int = 16,
         corrector_rank: int = 128,
         corrector_hidden: int = 256,
-        selection: str = "prefix_first",
-        geometric_lambda: float = 0.75,
         correct_first_slot: bool = False,
         context_bigrams: bool = False,
         corpus_bigrams: int | None = None,
         draft_vocab_size: int | None = None,
-        block_tau: dict[str, float] | None = None,
         layer_types: list[str] | None = None,
         corrector_type: str = "dcoco",
         lilicorr_block_size: int | None = None,
@@ -200,14 +194,10 @@ class DCOCOConfig(PreTrainedConfig):
         self.top_k = top_k
         self.corrector_rank = corrector_rank
         self.corrector_hidden = corrector_hidden
-        self.selection = selection
-        self.geometric_lambda = geometric_lambda
         self.correct_first_slot = bool(correct_first_slot)
         self.context_bigrams = bool(context_bigrams)
         self.corpus_bigrams = int(corpus_bigrams) if corpus_bigrams is not None else None
         self.draft_vocab_size = draft_vocab_size
-        # JSON keys are strings; ints are accepted too.
-        self.block_tau = {str(int(b)): float(t) for b, t in block_tau.items()} if block_tau is not None else None
         self.corrector_type = corrector_type
         if corrector_type == "lilicorr" and lilicorr_block_size is None:
             lilicorr_block_size = self.block_size  # the head is sized for the block it is built to draft
@@ -219,11 +209,18 @@ class DCOCOConfig(PreTrainedConfig):
         self.lilicorr_factor_dim = int(lilicorr_factor_dim)
         self.lilicorr_vector_eps = float(lilicorr_vector_eps)
         self.lilicorr_logit_scale = float(lilicorr_logit_scale)
+        # Decoding choices a config.json written before they moved to generation_config.json still holds.
+        self.legacy_decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
         kwargs.setdefault("tie_word_embeddings", False)
         # Always our own classes, also when the folder came from a public DFlash checkpoint with its own auto_map.
         kwargs["auto_map"] = dict(AUTO_MAP)
         super().__init__(**kwargs)
         self.check_dcoco_fields()
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output.pop("legacy_decoding", None)  # moved into the drafter's generation config, saved there
+        return output
 
     @property
     def largest_block_size(self) -> int:
@@ -239,19 +236,7 @@ class DCOCOConfig(PreTrainedConfig):
         if self.max_block_size is not None and self.max_block_size < 2:
             raise ValueError(f"max_block_size={self.max_block_size}: a block needs the anchor plus at least one mask "
                              "slot (>= 2); use None when block_size is the largest trained block.")
-        if self.block_tau is not None:
-            bad = {b: t for b, t in self.block_tau.items() if not (2 <= int(b) <= self.largest_block_size
-                                                                and 1.0 <= t <= int(b))}
-            if bad or not self.block_tau:
-                raise ValueError(
-                    f"block_tau={self.block_tau}: needs one tau per measured block size B in [2, "
-                    f"{self.largest_block_size}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None "
-                    "when it was not measured (scripts/record_block_tau.py records it from bench JSON files)."
-                )
         self.check_lilicorr_fields()
-        self.selection = walk_name(self.selection)  # a legacy "greedy" loads as "prefix_first"
-        if not 0.0 < self.geometric_lambda <= 1.0:
-            raise ValueError(f"geometric_lambda={self.geometric_lambda} must lie in (0, 1].")
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
         if self.draft_vocab_size is not None and not self.top_k <= self.draft_vocab_size <= self.vocab_size:
@@ -316,6 +301,51 @@ class DCOCOConfig(PreTrainedConfig):
             raise ValueError(f"LiLiCorr fields {bad} must be positive.")
 
 
+@dataclass(frozen=True)
+class DecodingChoices:
+    r"""How a drafter decodes, read from its generation config (generation_config.json; `DCOCODrafter.decoding`).
+
+    Args:
+        selection: how the block is read off the transition scores: "prefix_first" (the paper's walk; "greedy" in
+            older checkpoints), "viterbi" (best global path, paper's control) or "geometric" (global path with
+            transitions weighted by `geometric_lambda ** p`, paper's second control).
+        geometric_lambda: decay of the geometric walk.
+        block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
+            model card says which). With cycle times timed on the machine at hand it picks the block size of highest
+            tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
+    """
+
+    selection: str = "prefix_first"
+    geometric_lambda: float = 0.75
+    block_tau: dict[str, float] | None = None
+
+    @classmethod
+    def read(cls, values: Mapping[str, Any], config: DCOCOConfig) -> DecodingChoices:
+        """The choices in `values` (a generation config's attributes; a missing one takes its default), checked
+        against the drafter's `config`. Raises a ValueError naming the bad field and the fix."""
+        defaults = cls()
+        selection = walk_name(values.get("selection", defaults.selection))  # a legacy "greedy" is "prefix_first"
+        geometric_lambda = float(values.get("geometric_lambda", defaults.geometric_lambda))
+        if not 0.0 < geometric_lambda <= 1.0:
+            raise ValueError(f"geometric_lambda={geometric_lambda} (generation config) must lie in (0, 1].")
+        block_tau = values.get("block_tau", defaults.block_tau)
+        if block_tau is not None:
+            # JSON keys are strings, so the table is keyed by str(B) whichever way it was written.
+            block_tau = {str(b): float(t) for b, t in sorted((int(b), t) for b, t in block_tau.items())}
+            largest = config.largest_block_size
+            bad = {b: t for b, t in block_tau.items() if not (2 <= int(b) <= largest and 1.0 <= t <= int(b))}
+            if bad or not block_tau:
+                raise ValueError(
+                    f"block_tau={block_tau} (generation config): needs one tau per measured block size B in [2, "
+                    f"{largest}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None when it was not "
+                    "measured (scripts/record_block_tau.py records it from bench JSON files)."
+                )
+        return cls(selection, geometric_lambda, block_tau)
+
+
+DECODING_FIELDS = tuple(field.name for field in fields(DecodingChoices))
+
+
 def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] | None) -> dict[str, Any]:
     """Accept both spellings of RoPE settings: transformers 4 `rope_theta` and transformers 5 `rope_parameters`."""
     params = dict(rope_parameters or {})
@@ -326,4 +356,4 @@ def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] |
     return params
 
 
-__all__ = ["DCOCOConfig"]
+__all__ = ["DCOCOConfig", "DecodingChoices"]

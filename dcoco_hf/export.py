@@ -28,15 +28,17 @@ from safetensors.torch import save_file
 
 from .block_choice import check_block_size
 from .cli_common import CLIError, default_drafter_path, load_target
+from .configuration_dcoco import DECODING_FIELDS
 from .modeling_dcoco import DCOCODrafter, check_compatible
 
 FORMATS = ("dflash",)
 BACKBONE_KEY = re.compile(r"^(fc\.weight|hidden_norm\.weight|norm\.weight|layers\.\d+\.[\w.]+)$")
 # Saved with a DCOCO drafter but not part of the DFlash backbone: dropped by the export (and named in its card).
 DROPPED_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
-# Config fields that only our engine reads (the corrector and our drafting extensions).
-DCOCO_ONLY_FIELDS = ("top_k", "corrector_rank", "corrector_hidden", "selection", "geometric_lambda",
-                     "correct_first_slot", "context_bigrams", "corpus_bigrams", "block_tau", "max_block_size")
+# Config fields that only our engine reads (the corrector and our drafting extensions). Our decoding choices
+# (generation_config.json: the walk, block_tau) are not written either.
+DCOCO_ONLY_FIELDS = ("top_k", "corrector_rank", "corrector_hidden", "correct_first_slot", "context_bigrams",
+                     "corpus_bigrams", "max_block_size")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -144,6 +146,7 @@ def dflash_card(drafter: DCOCODrafter, config: dict, tensor_names: list[str], so
     vocab = (f"a draft vocabulary of {config['draft_vocab_size']} tokens (`d2t` + its rows of the target's lm_head)"
              if "draft_vocab_size" in config else "the target's full vocabulary (no draft vocabulary)")
     fields = ", ".join(f"`{name}`" for name in DCOCO_ONLY_FIELDS)
+    decoding = ", ".join(f"`{name}`" for name in DECODING_FIELDS)
     return f"""---
 tags:
 - dflash
@@ -165,8 +168,8 @@ config else ""}.
   else ""}): vLLM and SGLang serve plain DFlash proposals (the drafter's argmax per slot), so they get DFlash's tau,
   not DCOCO's. The corrector runs only in dcoco-hf (`assistant_model=drafter` in `generate()`,
   `speculative_generate`), from the original DCOCO folder.
-- Our config fields {fields}{"" if "draft_vocab_size" in config else
-  ", and the draft vocabulary (`draft_token_ids`), since no target was given to write its lm_head rows"}.
+- Our config fields {fields}, our decoding choices (generation_config.json: {decoding}){"" if "draft_vocab_size" in
+  config else ", and the draft vocabulary (`draft_token_ids`), since no target was given to write its lm_head rows"}.
 
 ## Serve it
 

@@ -161,7 +161,8 @@ def speculative_generate(
         input_ids: [B, L] left-padded prompts (pass `attention_mask` for padding).
         drafter: an attached `DCOCODrafter` (`drafter.attach(target)`).
         correct: False skips the corrector: plain DFlash argmax blocks with the same weights.
-        selection: the corrector's walk ("prefix_first" | "viterbi" | "geometric"); default the drafter config's.
+        selection: the corrector's walk ("prefix_first" | "viterbi" | "geometric"); default the drafter's
+            (`drafter.generation_config.selection`).
     """
     prepared = generation_config is not None and logits_processor is not None and stopping_criteria is not None
     if not prepared:  # a direct call: let generate() prepare everything, then come back here with it prepared

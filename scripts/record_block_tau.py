@@ -1,4 +1,4 @@
-"""Record a drafter's tau at each block size, measured by benches on held-out prompts, in its config.json.
+"""Record a drafter's tau at each block size, measured by benches on held-out prompts, in its generation_config.json.
 
 `--block-size auto` (dcoco_hf/block_choice.py) weighs these against cycle times timed on the machine at hand and
 drafts the block of highest tau / cycle time. Measure with the corrector on (dcoco@B methods), at every block size
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dcoco_hf import DCOCOConfig
 from dcoco_hf.bench import split_method
+from dcoco_hf.configuration_dcoco import DECODING_FIELDS, DecodingChoices
 
 
 def block_tau(report: dict, method: str, suite: str | None) -> dict[str, float]:
@@ -35,7 +36,7 @@ def block_tau(report: dict, method: str, suite: str | None) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("drafter", type=Path, help="the drafter folder whose config.json gets block_tau")
+    parser.add_argument("drafter", type=Path, help="the drafter folder whose generation_config.json gets block_tau")
     parser.add_argument("benches", type=Path, nargs="+", help="`dcoco-hf bench --json` files with method@B runs")
     parser.add_argument("--method", default="dcoco", help="the method whose tau to record (default dcoco)")
     parser.add_argument("--suite", default=None, help="one suite of the benches (default: all of their prompts)")
@@ -55,10 +56,17 @@ def main() -> None:
     if not taus:
         parser.error(f"no {args.method}@B method in {[str(p) for p in args.benches]}")
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["block_tau"] = dict(sorted(taus.items(), key=lambda item: int(item[0])))
-    DCOCOConfig(**config)  # the checks of a load, before anything is written
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    print(f"{config_path}: block_tau = {config['block_tau']}")
+    generation_path = args.drafter / "generation_config.json"
+    generation = json.loads(generation_path.read_text(encoding="utf-8")) if generation_path.exists() else {}
+    for name in DECODING_FIELDS:  # an older config.json's decoding choices move too (one there already wins)
+        if name in config:
+            generation.setdefault(name, config.pop(name))
+    generation["block_tau"] = dict(sorted(taus.items(), key=lambda item: int(item[0])))
+    generation["_from_model_config"] = False  # else transformers drops our keys when it loads the file
+    DecodingChoices.read(generation, DCOCOConfig(**config))  # the checks of a load, before anything is written
+    for path, content in ((config_path, config), (generation_path, generation)):
+        path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"{generation_path}: block_tau = {generation['block_tau']}")
 
 
 if __name__ == "__main__":

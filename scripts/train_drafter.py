@@ -271,7 +271,8 @@ def rank_weight_digests(drafter: DCOCODrafter) -> list[str]:
 
 
 def corrector_switch(args: argparse.Namespace) -> dict:
-    """Config overrides that give the --init drafter a fresh head of kind --corrector (none if it has that kind).
+    """`from_pretrained` overrides that give the --init drafter a fresh head of kind --corrector (none if it has that
+    kind).
 
     A new LiLiCorr head is sized for the largest block it will train on, reads none of DCOCO's inputs, and starts with
     no measured block_tau (the DCOCO corrector's taus do not describe it)."""

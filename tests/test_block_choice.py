@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcoco_hf import DCOCOConfig, block_choice
+from dcoco_hf import DCOCOConfig, DCOCODrafter, block_choice
 from dcoco_hf.block_choice import candidate_block_sizes, choose_block_size, time_cycles
+from dcoco_hf.configuration_dcoco import DecodingChoices
 
 # The shipped SmolLM2 drafter's HumanEval tau per block size (its bench_block_sizes.json): it grows fast up to blocks
 # of 4, then hardly.
@@ -34,11 +35,11 @@ def test_the_block_of_highest_tau_per_cycle_wins(fitted, monkeypatch, verify_ms,
 
     target, drafter = fitted
     monkeypatch.setattr(block_choice, "time_cycles", timed)
-    drafter.config.block_tau = BLOCK_TAU
+    drafter.generation_config.block_tau = BLOCK_TAU
     try:
         choice = choose_block_size(target, drafter)
     finally:
-        drafter.config.block_tau = None
+        drafter.generation_config.block_tau = None
     assert choice.block_size == best
     assert sorted(choice.tau) == list(range(2, 9)) and choice.tau[3] == 1.93
     assert f"* block {best}:" in choice.summary()
@@ -58,22 +59,28 @@ def test_cycle_timing_leaves_the_drafter_as_it_was(fitted):
 
 def test_block_tau_is_checked_and_names_the_candidates():
     config = DCOCOConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=6, top_k=4)
+                         intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=6, top_k=4,
+                         target_layer_ids=[0])
+    drafter = DCOCODrafter(config)
     with pytest.raises(ValueError, match="records no block_tau"):
-        candidate_block_sizes(config)
-    config.block_tau = {"4": 1.9, "2": 1.5}
-    assert candidate_block_sizes(config) == [2, 4]
+        candidate_block_sizes(drafter)
+    drafter.generation_config.block_tau = {"4": 1.9, "2": 1.5}
+    assert candidate_block_sizes(drafter) == [2, 4]
     for bad in ({"7": 2.0}, {"3": 3.5}, {"3": 0.9}, {}):
         with pytest.raises(ValueError, match=r"needs one tau per measured block size B in \[2, 6\]"):
-            DCOCOConfig(**(config.to_dict() | {"block_tau": bad}))
-    assert DCOCOConfig(**(config.to_dict() | {"block_tau": {3: 2}})).block_tau == {"3": 2.0}  # JSON keys: str
+            DecodingChoices.read({"block_tau": bad}, config)
+    assert DecodingChoices.read({"block_tau": {3: 2}}, config).block_tau == {"3": 2.0}  # JSON keys: str
 
 
 def test_record_block_tau_script(tmp_path):
-    """scripts/record_block_tau.py writes the dcoco@B taus of benches on the same prompts into config.json."""
+    """scripts/record_block_tau.py writes the dcoco@B taus of benches on the same prompts into generation_config.json
+    (and moves an older config.json's decoding choices there)."""
     config = DCOCOConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=4, top_k=4)
     config.save_pretrained(tmp_path / "drafter")
+    config_path = tmp_path / "drafter" / "config.json"
+    legacy = {"block_tau": {"2": 1.1}, "selection": "viterbi"}
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | legacy))
 
     def bench(path, taus, suites):
         methods = {name: {"tau": tau} for name, tau in taus.items()}
@@ -88,8 +95,9 @@ def test_record_block_tau_script(tmp_path):
     run = subprocess.run([sys.executable, str(script), str(tmp_path / "drafter"), first, second],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["block_tau"] == {
-        "2": 1.5123, "3": 1.8, "4": 1.9}
+    generation = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
+    assert generation["block_tau"] == {"2": 1.5123, "3": 1.8, "4": 1.9} and generation["selection"] == "viterbi"
+    assert not {"block_tau", "selection"} & set(json.loads(config_path.read_text()))
     other = bench(tmp_path / "c.json", {"dcoco@4": 1.9}, {"humaneval": 5})
     refused = subprocess.run([sys.executable, str(script), str(tmp_path / "drafter"), first, other],
                              capture_output=True, text=True)

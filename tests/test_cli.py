@@ -203,7 +203,7 @@ def test_dcoco_paper_method_keeps_slot_1_at_the_drafter_argmax(tiny, monkeypatch
         record = runner.run(method, "random", 0, ids)
         picks[method] = list(first_slot_choices)
         assert record.output == runner.run("vanilla", "random", 0, ids).output
-        assert drafter.config.correct_first_slot and drafter.config.selection == "prefix_first"
+        assert drafter.config.correct_first_slot and drafter.generation_config.selection == "prefix_first"
     runner.close()
     assert picks["dcoco-paper"] and not any(picks["dcoco-paper"])
     assert any(picks["dcoco"]), picks
@@ -383,8 +383,9 @@ def test_auto_block_size(tiny, tmp_path):
 
     folder = tmp_path / "measured-drafter"
     DCOCODrafter.from_pretrained(tiny.root / "drafter").save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"block_tau": {"2": 1.6, "3": 1.9, "4": 2.0}}))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    measured = {"block_tau": {"2": 1.6, "3": 1.9, "4": 2.0}}  # as scripts/record_block_tau.py records it
+    (folder / "generation_config.json").write_text(json.dumps(generation | measured))
     result = run_cli(*base, "--drafter", folder, "--json", tmp_path / "auto.json")
     assert result.code == 0, result.err
     report = json.loads((tmp_path / "auto.json").read_text())["config"]

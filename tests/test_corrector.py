@@ -89,13 +89,14 @@ def test_fresh_corrector_reproduces_dflash_argmax(fitted, first_slot):
             assert (corrected.first_slot_scores is not None) == first_slot
             if first_slot:
                 assert torch.equal(corrected.first_slot_scores, first)
-            for lam in (1.0, cfg.geometric_lambda, 0.05):
+            for lam in (1.0, drafter.decoding.geometric_lambda, 0.05):
                 assert not viterbi_walk(scores, first, decay=lam).any()
             # A corrector that does overrule the drafter: the comparison above can fail, and each selection is the
             # walk it names, applied to the scores of that very proposal.
             overruled = _propose(noisy, sequences, states, cut, selection=selection)
             first_scores = overruled.first_slot_scores if first_slot else overruled.candidate_logits[:, 0]
-            walked = select_candidates(selection, overruled.transition_scores, first_scores, cfg.geometric_lambda)
+            lam = noisy.decoding.geometric_lambda
+            walked = select_candidates(selection, overruled.transition_scores, first_scores, lam)
             first_changed[selection] += int(walked[:, 0].bool().sum())
             assert torch.equal(overruled.chosen, walked)
             assert torch.equal(overruled.tokens, overruled.candidates.gather(-1, walked[..., None]).squeeze(-1))
@@ -414,14 +415,16 @@ def test_bad_corpus_tables_are_refused(fitted):
 
 
 def test_the_legacy_walk_name_greedy_still_loads_as_prefix_first():
-    """Checkpoints before 0.2 wrote selection "greedy" (which also names greedy decoding); they load unchanged."""
+    """Checkpoints before 0.2 wrote selection "greedy" (which also names greedy decoding); they load unchanged
+    (tests/test_save_load.py loads a whole folder of that age)."""
     from dcoco_hf import DCOCOConfig
+    from dcoco_hf.configuration_dcoco import DecodingChoices
 
-    config = DCOCOConfig(target_layer_ids=[1], selection="greedy")
-    assert config.selection == "prefix_first"
+    config = DCOCOConfig(target_layer_ids=[1])
+    assert DecodingChoices.read({"selection": "greedy"}, config).selection == "prefix_first"
     scores = torch.tensor([[[[0.0, 2.0], [1.0, 0.0]]]])
     first = torch.tensor([[1.0, 0.0]])
     assert select_candidates("greedy", scores, first, 0.75).tolist() == select_candidates(
         "prefix_first", scores, first, 0.75).tolist()
     with pytest.raises(ValueError, match="unknown"):
-        DCOCOConfig(target_layer_ids=[1], selection="beam")
+        DecodingChoices.read({"selection": "beam"}, config)

@@ -117,7 +117,7 @@ def test_selection_walks_are_lossless(fitted):
     ids = _prompt(400, 6, target.config.vocab_size)
     expected = target.generate(ids, max_new_tokens=25, do_sample=False).tolist()
     for selection, first_slot in itertools.product(("greedy", "viterbi", "geometric"), (False, True)):
-        noisy.config.selection, noisy.config.correct_first_slot = selection, first_slot
+        noisy.generation_config.selection, noisy.config.correct_first_slot = selection, first_slot
         got = target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=noisy)
         assert got.tolist() == expected, (selection, first_slot)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -118,6 +119,59 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
         assert _greedy_equal(llama, loaded) == reference_outputs
         assert loaded.generation_stats().cycles > 0  # the remote-code copy really drafted
     assert any(not torch.equal(p.chosen, torch.zeros_like(p.chosen)) for p in reference)  # the corrector acted
+
+
+DECODING = ("selection", "geometric_lambda", "block_tau")
+
+
+def test_decoding_choices_are_saved_in_the_generation_config(tmp_path, llama):
+    """The walk and the measured taus are decoding choices: generation_config.json holds them, config.json does not,
+    and they load back as set (block_tau keyed by str(B), however the keys were written)."""
+    drafter = scrambled(DCOCODrafter.from_target(llama, num_hidden_layers=1, block_size=4, top_k=4), seed=1)
+    drafter.generation_config.update(selection="geometric", geometric_lambda=0.5, block_tau={3: 2.1, 2: 1.5})
+    drafter.save_pretrained(tmp_path / "drafter")
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    generation = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
+    assert not set(DECODING) & set(config) and "legacy_decoding" not in config
+    assert {name: generation[name] for name in DECODING} == {
+        "selection": "geometric", "geometric_lambda": 0.5, "block_tau": {"2": 1.5, "3": 2.1}}
+    for loaded in (DCOCODrafter.from_pretrained(tmp_path / "drafter"),
+                   AutoModel.from_pretrained(tmp_path / "drafter", trust_remote_code=True)):
+        assert asdict(loaded.decoding) == asdict(drafter.decoding)  # the remote-code copy has its own class
+        _assert_same_proposals(_proposals(loaded.attach(llama, tune=False), llama), _proposals(drafter, llama))
+
+
+def test_a_folder_from_before_the_move_decodes_with_its_choices(tmp_path, llama):
+    """A config.json written when it held the decoding choices (and a generation_config.json without them) loads
+    with those choices, moved into the generation config; a generation_config.json value wins; a re-save writes them
+    where they now live."""
+    drafter = scrambled(DCOCODrafter.from_target(llama, num_hidden_layers=1, block_size=4, top_k=4), seed=2)
+    folder = tmp_path / "old"
+    drafter.save_pretrained(folder)
+    config, generation = (json.loads((folder / name).read_text()) for name in ("config.json", "generation_config.json"))
+    old_choices = {"selection": "viterbi", "geometric_lambda": 0.5, "block_tau": {"2": 1.4, "3": 1.6}}
+    old_generation = {k: v for k, v in generation.items() if k not in DECODING} | {"_from_model_config": True}
+    (folder / "config.json").write_text(json.dumps(config | old_choices))
+    (folder / "generation_config.json").write_text(json.dumps(old_generation))
+
+    loaded = DCOCODrafter.from_pretrained(folder)
+    assert asdict(loaded.decoding) == old_choices
+    assert not {"selection", "legacy_decoding"} & set(loaded.config.to_dict())
+    plain = _proposals(drafter, llama)
+    drafter.generation_config.update(selection="viterbi", geometric_lambda=0.5)
+    walked = _proposals(drafter, llama)
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(plain, walked)), "the walks must differ here"
+    _assert_same_proposals(_proposals(loaded.attach(llama, tune=False), llama), walked)
+
+    loaded.save_pretrained(tmp_path / "resaved")
+    assert not set(DECODING) & set(json.loads((tmp_path / "resaved" / "config.json").read_text()))
+    assert DCOCODrafter.from_pretrained(tmp_path / "resaved").decoding == loaded.decoding
+
+    (folder / "config.json").write_text(json.dumps(config | old_choices | {"selection": "greedy"}))
+    assert DCOCODrafter.from_pretrained(folder).decoding.selection == "prefix_first"  # the walk's pre-0.2 name
+    (folder / "generation_config.json").write_text(json.dumps(generation | {"selection": "geometric"}))
+    wins = DCOCODrafter.from_pretrained(folder).decoding
+    assert (wins.selection, wins.geometric_lambda) == ("geometric", generation["geometric_lambda"])
 
 
 # ---------------------------------------------------------------------------------------------------- public DFlash

@@ -20,7 +20,8 @@ from dcoco_hf import speculative_generate
 
 def generate(model: Any, drafter: Any = None, correct: bool = True, selection: str | None = None, **kwargs: Any):
     """`model`: the target (a causal LM); `drafter`: a `DCOCODrafter` attached to it; `correct=False` drafts plain
-    DFlash blocks with the same weights; `selection`: the corrector's walk. Returns what `generate()` returns."""
+    DFlash blocks with the same weights; `selection`: the corrector's walk for this call (default the drafter's
+    `generation_config.selection`). Returns what `generate()` returns."""
     if drafter is None:
         raise TypeError(
             "this custom_generate needs a drafter: target.generate(..., custom_generate=REPO, trust_remote_code=True, "

@@ -9,7 +9,8 @@ and blocks of 3 on an Intel Sapphire Rapids one.
 
 So both factors are measured, each where it is a property of what it measures:
     tau(B)   tokens committed per target forward at blocks of B: a property of the drafter and the text, measured
-             once on held-out prompts and recorded in the drafter's config (`block_tau`). It is measured at every B
+             once on held-out prompts and recorded in the drafter's generation config (`block_tau`, in
+             generation_config.json). It is measured at every B
              rather than predicted from the slot acceptance of the longest block: a block's mask slots attend to
              each other, so the slots of a shorter block predict somewhat differently.
     T(B)     one verify forward of B tokens plus one drafted and corrected block, timed on this machine, interleaved
@@ -30,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .configuration_dcoco import DCOCOConfig
 from .context_cache import DraftContextCache
 from .device import device_sync
 
@@ -99,15 +99,16 @@ class BlockSizeChoice:
         )
 
 
-def candidate_block_sizes(config: DCOCOConfig) -> list[int]:
-    """The block sizes with a measured tau (`config.block_tau`)."""
-    if config.block_tau is None:
+def candidate_block_sizes(drafter: DCOCODrafter) -> list[int]:
+    """The block sizes with a measured tau (`drafter.decoding.block_tau`)."""
+    block_tau = drafter.decoding.block_tau
+    if block_tau is None:
         raise ValueError(
             "this drafter records no block_tau, so there is no tau to weigh cycle times against: measure it with a "
             "bench over block sizes (dcoco@2,...,dcoco@8) and record it (scripts/record_block_tau.py), or draft a "
             "fixed block size."
         )
-    return sorted(int(size) for size in config.block_tau)
+    return sorted(int(size) for size in block_tau)
 
 
 @torch.no_grad()
@@ -169,12 +170,12 @@ def choose_block_size(
 ) -> BlockSizeChoice:
     """The block size of largest measured tau / timed cycle among `block_sizes` (default: every size in the
     drafter's `block_tau`). Apply it with `set_block_size(drafter, choice.block_size)`."""
-    measured = candidate_block_sizes(drafter.config)
+    measured = candidate_block_sizes(drafter)
     sizes = sorted(set(block_sizes)) if block_sizes else measured
     missing = sorted(set(sizes) - set(measured))
     if missing:
         raise ValueError(f"block sizes {missing} have no measured tau in the drafter's block_tau (it has {measured})")
-    tau = {size: drafter.config.block_tau[str(size)] for size in sizes}
+    tau = {size: drafter.decoding.block_tau[str(size)] for size in sizes}
     seconds = time_cycles(target, drafter, sizes, repeats=repeats)
     best = max(sizes, key=lambda size: tau[size] / seconds[size])
     return BlockSizeChoice(best, tau, seconds)

@@ -41,7 +41,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
     Args:
         drafter: an attached `DCOCODrafter`.
         generation_config: the target's generation config (unused beyond validation; kept for the transformers API).
-        selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's config.
+        selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's (`decoding`).
         correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
     """
 

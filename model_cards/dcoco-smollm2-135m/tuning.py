@@ -24,7 +24,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +122,7 @@ def tune(
 ) -> Tuning:
     """Make `target` and its attached `drafter` fast on their device; returns what was done (see `Tuning`).
 
-    block_size: "auto" drafts the block of highest recorded tau (`config.block_tau`) per cycle timed here (the
+    block_size: "auto" drafts the block of highest recorded tau (`drafter.decoding.block_tau`) per cycle timed here (the
         configured block when no tau is recorded), or a fixed size.
     extra_block_sizes: further blocks the caller will draft (e.g. a bench's dcoco@5), laid out for on CPU.
     batch_size: rows per forward the CPU layouts must cover (a batched verify has batch_size blocks).
@@ -133,7 +133,7 @@ def tune(
     device = next(target.parameters()).device
     configured = drafter.config.block_size
     auto = block_size == "auto"
-    choices = candidate_block_sizes(drafter.config) if auto and drafter.config.block_tau is not None else []
+    choices = candidate_block_sizes(drafter) if auto and drafter.decoding.block_tau is not None else []
     if not auto:
         set_block_size(drafter, int(block_size))
     blocks = [drafter.config.block_size, *choices, *extra_block_sizes]
@@ -214,7 +214,8 @@ def _block_choice(cached: dict[str, Any] | None) -> BlockSizeChoice | None:
 
 def _cache_key(target, drafter, device, max_rows, choices, layouts, attention) -> str:
     """A hash of everything the measurements depend on: machine, software, thread count, both models, what is
-    measured. The drafter's block_size is left out (tuning sets it); its block_tau is in."""
+    measured. The drafter's block_size is left out (tuning sets it); its decoding choices (block_tau, the walk) are
+    in."""
     drafter_config = drafter.config.to_dict()
     drafter_config.pop("block_size", None)
     identity = {
@@ -222,7 +223,7 @@ def _cache_key(target, drafter, device, max_rows, choices, layouts, attention) -
         "device": device_name(device),
         "torch": torch.__version__,
         "target": _model_identity(target),
-        "drafter": {**drafter_config, "_dtype": str(drafter.dtype)},
+        "drafter": {**drafter_config, "_dtype": str(drafter.dtype), "_decoding": asdict(drafter.decoding)},
         "max_rows": max_rows,
         "choices": choices,
         "layouts": layouts,

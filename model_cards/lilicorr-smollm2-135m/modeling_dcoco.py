@@ -21,7 +21,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import cached_file
 
 from .candidate_generator import DCOCOCandidateGenerator, assisted_stopping_criteria
-from .configuration_dcoco import DCOCOConfig
+from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
@@ -181,6 +181,12 @@ class DCOCOGenerationConfig(GenerationConfig):
         generation_config.num_assistant_tokens_schedule = "constant"
         generation_config.assistant_confidence_threshold = 0.0
         generation_config.use_corrector = True  # False drafts plain DFlash argmax blocks (the bench's baseline)
+        # The decoding choices: defaults, or what a config.json written before they moved here holds.
+        for name, value in {**asdict(DecodingChoices()), **model_config.legacy_decoding}.items():
+            setattr(generation_config, name, value)
+        # Our own keys (use_corrector, the decoding choices) are dropped by transformers when it loads a
+        # generation_config.json marked as derived from the model config.
+        generation_config._from_model_config = False
         return generation_config
 
 
@@ -271,11 +277,15 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         last layers carry little about the next tokens). The mask token defaults to the last row of the target's
         embedding table: any fixed id works, the drafter learns what its embedding means, and the last row is a
         rarely used padding or special token in common tokenizers. Pass `mask_token_id` to choose another.
+
+        Other keywords are `DCOCOConfig` fields, except the decoding choices (`selection`, `geometric_lambda`,
+        `block_tau`), which go to the generation config (`decoding`).
         """
         tcfg = target.config.get_text_config()
         depth = tcfg.num_hidden_layers
         vocab = target.get_input_embeddings().weight.shape[0]
         heads = config_kwargs.pop("num_attention_heads", tcfg.num_attention_heads)
+        decoding = {name: config_kwargs.pop(name) for name in DECODING_FIELDS if name in config_kwargs}
         config = DCOCOConfig(
             vocab_size=vocab,
             hidden_size=tcfg.hidden_size,
@@ -295,6 +305,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             **config_kwargs,
         )
         drafter = cls(config).to(device=target.device, dtype=target.dtype)
+        drafter._settle_decoding(decoding)
         if init_from_target:
             _copy_matching(target.get_decoder().layers[-num_hidden_layers:], drafter.layers)
             _copy_matching(target.get_decoder().norm, drafter.norm)
@@ -341,6 +352,25 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         """Whether drafting and the tap wait for the device to time each phase (`generation_config.time_phases`;
         exact times on a GPU at one sync per phase, which the bench asks for; on CPU times are exact anyway)."""
         return bool(getattr(self.generation_config, "time_phases", False))
+
+    @property
+    def decoding(self) -> DecodingChoices:
+        """How this drafter decodes: the corrector's walk and the tau measured per block size, checked. They live in
+        the generation config (saved as generation_config.json); set them there, e.g.
+        `drafter.generation_config.selection = "viterbi"`."""
+        return DecodingChoices.read(vars(self.generation_config), self.config)
+
+    def _settle_decoding(self, overrides: dict[str, Any]) -> None:
+        """Give the generation config every decoding choice, checked and in its current spelling: `overrides` (a
+        constructor's keywords) first, then its own, then a legacy config.json's (`config.legacy_decoding`), then
+        the default."""
+        generation = self.generation_config
+        legacy = {name: value for name, value in self.config.legacy_decoding.items() if name not in vars(generation)}
+        for name, value in {**legacy, **overrides}.items():
+            setattr(generation, name, value)
+        for name, value in asdict(self.decoding).items():
+            setattr(generation, name, value)
+        generation._from_model_config = False  # see DCOCOGenerationConfig: else saved keys would not load back
 
     @property
     def tuning(self) -> Tuning | None:
@@ -510,7 +540,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             position_ids: [B, N + block_size] positions of those rows, then of the block.
             cache: the drafter context cache; it keeps the new context rows and drops the block afterwards.
             attention_mask: key mask [B, cached + N + block_size], or None when every key is visible.
-            selection: "prefix_first" | "viterbi" | "geometric"; default `config.selection`.
+            selection: "prefix_first" | "viterbi" | "geometric"; default the generation config's (`decoding`).
             correct: False skips the corrector (plain DFlash argmax proposals, for baselines).
             context_ids: [B, L] committed tokens of each row, anchor included (needed with `context_bigrams`).
             context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
@@ -536,12 +566,14 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
 
         start = time.perf_counter()
         scores = first_scores = None
+        decoding = self.decoding
+        selection = selection or decoding.selection
         if correct and cfg.corrector_type == "lilicorr":  # start and pair scores of the whole lattice, one pass
             log_probs = candidate_logits - logits.logsumexp(-1, keepdim=True)  # [B, S, K]
             first_scores, scores = self.lilicorr_scores(
                 slot_hidden, candidates, log_probs, *self.anchor_rows(context_hidden_states, position_ids)
             )
-            chosen = select_candidates(selection or cfg.selection, scores, first_scores, cfg.geometric_lambda)
+            chosen = select_candidates(selection, scores, first_scores, decoding.geometric_lambda)
         elif correct and (cfg.block_size > 2 or cfg.correct_first_slot):
             candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
             seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid)
@@ -552,7 +584,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                     block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits, first_seen, first_corpus
                 )  # [B, K]
             first = first_scores if first_scores is not None else candidate_logits[:, 0]
-            chosen = select_candidates(selection or cfg.selection, scores.float(), first.float(), cfg.geometric_lambda)
+            chosen = select_candidates(selection, scores.float(), first.float(), decoding.geometric_lambda)
         else:
             chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
         tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
@@ -754,9 +786,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         """`PreTrainedModel.from_pretrained`, but a checkpoint missing backbone weights is an error, not a warning.
 
         A missing corrector is fine: public DFlash checkpoints have none, and a fresh (zero-output) corrector
-        reproduces their argmax proposals exactly.
+        reproduces their argmax proposals exactly. Decoding choices given as keywords (`selection`, `geometric_lambda`,
+        `block_tau`) override the folder's generation_config.json; other keywords override config.json as usual.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
         # A public LiLiCorr folder names its head `lilicorr.*` (ours: `corrector.*`); other folders have no such keys.
         kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
         try:
@@ -783,6 +817,13 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
         if is_public_folder(model.config):
             model._adopt_public_lilicorr(info.get("missing_keys", ()))
+        if model.config.legacy_decoding:
+            logger.warning(
+                f"config.json holds the decoding choices {sorted(model.config.legacy_decoding)}, which now live in "
+                "generation_config.json; they were moved there on load (a value already there wins). Save the drafter "
+                "again (save_pretrained) to write them where they belong."
+            )
+        model._settle_decoding(decoding)  # transformers replaced the generation config with the folder's
         return (model, info) if want_info else model
 
     def _adopt_d2t(self, source: str | os.PathLike, info: dict) -> list[str]:
