@@ -227,30 +227,38 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     written = torch.zeros(batch, dtype=torch.long, device=device)  # [B] new tokens committed so far
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()  # [B, L] key mask
     prompt_valid = mask.bool()  # [B, L] real prompt tokens (the corrector's context bigrams skip padding)
-    rows = torch.arange(batch, device=device)  # [b] original row of each active row
+    rows = torch.arange(batch, device=device)  # [b] original row of each active row, to index per-call tensors
+    row_ids = list(range(batch))  # the same on the host: booking statistics per row needs no sync
     masks = _TargetMasks(target, longest=prompt_len + max_new + slots)
     cache = masks.new_cache()
     dcache = DraftContextCache()
 
     # Prefill: the prompts, then the first token chosen by the target itself (it becomes the first anchor).
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L] index in the unpadded sequence
-    logits, states = _target_forward(target, tap, input_ids, masks(mask, cache), positions, cache, stats, rows, keep=1)
+    logits, states = _target_forward(
+        target, tap, input_ids, masks(mask, cache), positions, cache, stats, row_ids, keep=1
+    )
     anchor = picker.at(input_ids, torch.full((batch,), prompt_len, device=device), rows)(logits)[:, 0]  # [B]
     anchor_pos = mask.sum(1)  # [B] the anchor's index in the unpadded sequence
     done, new = _commit(out, written, prompt_len, anchor[:, None], torch.ones_like(anchor), max_new, eos, pad, rows)
-    host = torch.stack([new, done.long()]).tolist()  # the one host sync of the prefill
-    for row, count in zip(rows.tolist(), host[0]):
+    host = torch.stack([new, done.long(), anchor_pos]).tolist()  # the one host sync of the prefill
+    for row, count in zip(row_ids, host[0]):
         stats[row].committed_tokens += count
-    finished = host[1]
+    # committed [b]: each active row's committed tokens before its anchor, on the host; they are also the visible
+    # columns of the target cache's key mask and of the drafter's context (cached rows + new rows).
+    finished, committed = host[1], host[2]
     ctx, ctx_mask, ctx_pos = states, mask, positions  # [B, N, nL*H], [B, N], [B, N] drafter context not yet cached
     dmask = mask[:, :0]  # [B, 0] key mask of the drafter cache
     offsets = torch.arange(slots + 1, device=device)  # [S + 1]
 
     while True:
-        rows, keep = _drop_finished(rows, finished)
-        if rows.numel() == 0:
-            break
-        if keep is not None:  # finished rows leave every per-row tensor and both caches
+        kept = _still_active(finished)
+        if kept is not None:  # finished rows leave every per-row tensor and both caches
+            if not kept:
+                break
+            row_ids, committed = [row_ids[i] for i in kept], [committed[i] for i in kept]
+            keep = torch.tensor(kept, dtype=torch.long, device=device)  # a copy to the device, not a sync
+            rows = rows[keep]
             cache.batch_select_indices(keep)
             dcache.select_rows(keep)
             anchor, anchor_pos, mask, dmask = anchor[keep], anchor_pos[keep], mask[keep], dmask[keep]
@@ -258,7 +266,14 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
 
         # Draft: one drafter forward per cycle for all active rows.
         block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
-        draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
+        # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes its
+        # unmasked path; else it gets the full mask, which it uses without first reading it for a masked key (a sync,
+        # as for a key mask).
+        if min(committed) == dmask.shape[1] + ctx_mask.shape[1]:
+            draft_mask = None
+        else:
+            draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
+            draft_mask = draft_mask[:, None, None, :].expand(-1, 1, slots + 1, -1)  # [b, 1, S + 1, cached + N + S + 1]
         context_ids, context_valid = (
             _committed(out, prompt_valid, written, rows) if drafter.config.context_bigrams else (None, None)
         )
@@ -272,15 +287,17 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         # Verify: [anchor, drafts] for every row at its true positions; holes and padding are masked keys.
         block = torch.cat([anchor[:, None], drafts], dim=1)  # [b, S + 1]
         mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # [b, K + S + 1]
-        logits, states = _target_forward(target, tap, block, masks(mask, cache), block_pos, cache, stats, rows)
+        logits, states = _target_forward(target, tap, block, masks(mask, cache), block_pos, cache, stats, row_ids)
         history = (None, None) if picker.row_local else _with_drafts(out, written, rows, prompt_len, drafts)
         chosen, accepted = _verify(picker.at(*history, rows), logits, drafts)  # [b, S + 1], [b]
         done, new = _commit(out, written, prompt_len, chosen, accepted + 1, max_new, eos, pad, rows)
         anchor_pos = anchor_pos + accepted + 1  # [b] = committed tokens before the anchor = valid cache columns
-        host_accepted, host_new, finished, valid_columns = torch.stack(
+        # The cycle's one host sync: how many drafts each row accepted decides how far the caches and masks grow
+        # (their shapes, hence the next forward's), and finished rows leave the batch; both are read together.
+        host_accepted, host_new, finished, anchor_committed = torch.stack(
             [accepted, new, done.long(), anchor_pos]
-        ).tolist()  # the cycle's one host sync
-        _book(stats, rows, proposal, host_accepted, host_new, slots)
+        ).tolist()
+        _book(stats, row_ids, proposal, host_accepted, host_new, slots)
 
         # Keep the block columns some row accepted; the rest of the tail goes; shorter rows keep masked holes.
         valid = offsets <= accepted[:, None]  # [b, S + 1] anchor + accepted drafts are committed inputs
@@ -289,30 +306,36 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         mask = torch.cat([mask[:, : -(slots + 1)], valid[:, :width].long()], dim=1)  # [b, K + width]
         ctx, ctx_mask, ctx_pos = states[:, :width], valid[:, :width].long(), block_pos[:, :width]
         anchor = chosen.gather(1, accepted[:, None]).squeeze(1)  # [b] the bonus token
-        if 1 - sum(valid_columns) / mask.numel() > COMPACT_WASTE:  # mostly holes: pack every row's keys right
-            mask, dmask = _compact(cache, mask, dcache, dmask)
+        if 1 - sum(anchor_committed) / mask.numel() > COMPACT_WASTE:  # mostly holes: pack every row's keys right
+            # The drafter cache holds the context up to the old anchors (the new rows are cached next cycle).
+            mask, dmask = _compact(cache, mask, max(anchor_committed), dcache, dmask, max(committed))
+        committed = anchor_committed
 
-    return out[:, : prompt_len + int(written.max())], stats
+    # The statistics count every committed token: the longest row without a sync.
+    return out[:, : prompt_len + max(row.committed_tokens for row in stats)], stats
 
 
-def _compact(cache: DynamicCache, mask: torch.Tensor, dcache: DraftContextCache, dmask: torch.Tensor):
+def _compact(
+    cache: DynamicCache, mask: torch.Tensor, width: int, dcache: DraftContextCache, dmask: torch.Tensor, dwidth: int
+):
     """Pack every row's visible key/value columns to the right end, in order, in both caches: (mask, dmask).
 
+    width / dwidth: the most visible columns of a row in mask / dmask (known on the host, so packing needs no sync).
     Exact: keys carry their RoPE rotation already and attention does not care where a key sits, only whether it is
     masked; new tokens keep their explicit positions.
     """
-    index, mask = _pack_index(mask)
+    index, mask = _pack_index(mask, width)
     for layer in cache.layers:
         layer.keys, layer.values = _take_columns(layer.keys, index), _take_columns(layer.values, index)
-    index, dmask = _pack_index(dmask)
+    index, dmask = _pack_index(dmask, dwidth)
     dcache.keys = [_take_columns(k, index) for k in dcache.keys]
     dcache.values = [_take_columns(v, index) for v in dcache.values]
     return mask, dmask
 
 
-def _pack_index(mask: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
-    """Key mask [b, K] -> (source column of each packed column [b, W], packed mask [b, W]), W = most visible keys."""
-    width = int(mask.sum(1).max())
+def _pack_index(mask: torch.Tensor, width: int) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Key mask [b, K] -> (source column of each packed column [b, W], packed mask [b, W]), W = `width`, the most
+    visible keys of a row."""
     index = torch.argsort(mask, dim=1, stable=True)[:, mask.shape[1] - width :]  # masked first, then visible, in order
     return index, mask.gather(1, index)
 
@@ -399,8 +422,9 @@ def _layer_windows(text_config) -> dict[str, int | None]:
     return {kind: window if kind == "sliding_attention" else None for kind in kinds}
 
 
-def _target_forward(target, tap, ids, mask, positions, cache, stats, rows, keep: int = 0):
-    """One target forward with hidden-state capture: (logits [b, n or keep, V] fp32, states [b, n, nL*H])."""
+def _target_forward(target, tap, ids, mask, positions, cache, stats, row_ids: list[int], keep: int = 0):
+    """One target forward with hidden-state capture: (logits [b, n or keep, V] fp32, states [b, n, nL*H]);
+    row_ids: the original row of each active row, whose statistics it books."""
     tap.drain()
     seconds = tap.seconds
     logits = target(
@@ -412,7 +436,7 @@ def _target_forward(target, tap, ids, mask, positions, cache, stats, rows, keep:
             "The drafter's tap recorded no target forward: the drafter is attached to a different model. Call "
             "`drafter.attach(target)` with the model you generate with."
         )
-    for row in rows.tolist():  # the batch's forward time: every active row waited for all of it
+    for row in row_ids:  # the batch's forward time: every active row waited for all of it
         stats[row].target_forwards += 1
         stats[row].target_seconds += tap.seconds - seconds
     return logits.float(), forwards[-1].states
@@ -511,17 +535,16 @@ def _committed(out, prompt_valid, written, rows) -> tuple[torch.LongTensor, torc
     return out[rows], valid
 
 
-def _drop_finished(rows: torch.LongTensor, finished: list[int]) -> tuple[torch.LongTensor, torch.LongTensor | None]:
-    """(rows still active, their index among the current rows, or None when every row stays)."""
+def _still_active(finished: list[int]) -> list[int] | None:
+    """The index among the current rows of each row still active, or None when every row stays."""
     if not any(finished):
-        return rows, None
-    keep = torch.tensor([i for i, f in enumerate(finished) if not f], dtype=torch.long, device=rows.device)
-    return rows[keep], keep
+        return None
+    return [i for i, f in enumerate(finished) if not f]
 
 
-def _book(stats, rows, proposal, accepted, new, slots) -> None:
+def _book(stats, row_ids: list[int], proposal, accepted, new, slots) -> None:
     """Per-row cycle statistics (drafter time is the batch's: every row waited for all of it)."""
-    for row, count, committed in zip(rows.tolist(), accepted, new):
+    for row, count, committed in zip(row_ids, accepted, new):
         row_stats = stats[row]
         row_stats.observe_draft(slots, count, committed)
         row_stats.drafter_seconds += proposal.backbone_seconds

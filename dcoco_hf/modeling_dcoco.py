@@ -46,7 +46,7 @@ from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
-from .logs import log
+from .logs import log, logger
 from .precision import precision_notes
 from .tap import TargetTap, decoder_layers
 from .tuning import Tuning, untune
@@ -429,13 +429,18 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         Returns:
             `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head.
         """
-        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        context = self.fuse_target_states(context_hidden_states)
         hidden = noise_embeds.to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         mask = _additive_mask(attention_mask, hidden.shape[1], hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, context, position_embeddings, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    def fuse_target_states(self, target_states: torch.Tensor) -> torch.Tensor:
+        """The drafter's context rows: target states [..., n_layers * H] -> `hidden_norm(fc(.))` [..., H] (the keys /
+        values of every layer, and LiLiCorr's anchor row)."""
+        return self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
 
     def slot_logits(self, slot_hidden: torch.Tensor) -> torch.Tensor:
         """Target lm_head on drafter slot hiddens [..., H] -> [..., V]."""
@@ -539,7 +544,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             context_hidden_states: [B, N, n_layers * H] target states of the rows committed since the last draft.
             position_ids: [B, N + block_size] positions of those rows, then of the block.
             cache: the drafter context cache; it keeps the new context rows and drops the block afterwards.
-            attention_mask: key mask [B, cached + N + block_size], or None when every key is visible.
+            attention_mask: key mask [B, cached + N + block_size] or full mask [B, 1, block_size, cached + N +
+                block_size], or None when every key is visible (a key mask is read for that, a sync on a GPU).
             selection: "prefix_first" | "viterbi" | "geometric"; default the generation config's (`decoding`).
             correct: False skips the corrector (plain DFlash argmax proposals, for baselines).
             context_ids: [B, L] committed tokens of each row, anchor included (needed with `context_bigrams`).
@@ -556,11 +562,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
         cache.truncate(kept)
         block_hidden = out.last_hidden_state  # [B, block, H]
-        slot_hidden = block_hidden[:, 1:]  # [B, S, H]
-        logits, column_tokens = self.proposal_logits(slot_hidden)  # [B, S, V'] over the draft vocabulary
-        candidate_logits, candidates = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)  # [B, S, K]
-        if column_tokens is not None:
-            candidates = column_tokens[candidates]
+        logits, column_tokens = self.proposal_logits(block_hidden[:, 1:])  # [B, S, V'] over the draft vocabulary
+        candidates, candidate_logits, log_probs = self.slot_candidates(logits, column_tokens)  # [B, S, K]
         sync()
         backbone_seconds = time.perf_counter() - start
 
@@ -568,21 +571,14 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         scores = first_scores = None
         decoding = self.decoding
         selection = selection or decoding.selection
-        if correct and cfg.corrector_type == "lilicorr":  # start and pair scores of the whole lattice, one pass
-            log_probs = candidate_logits - logits.logsumexp(-1, keepdim=True)  # [B, S, K]
-            first_scores, scores = self.lilicorr_scores(
-                slot_hidden, candidates, log_probs, *self.anchor_rows(context_hidden_states, position_ids)
-            )
-            chosen = select_candidates(selection, scores, first_scores, decoding.geometric_lambda)
-        elif correct and (cfg.block_size > 2 or cfg.correct_first_slot):
-            candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [B, S, K, H]
-            seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid)
-            corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates)
-            scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [B, S - 1, K, K]
-            if cfg.correct_first_slot:
-                first_scores = self.first_slot_scores(
-                    block_hidden, anchor_ids, candidate_embeds[:, 0], candidate_logits, first_seen, first_corpus
-                )  # [B, K]
+        lilicorr = cfg.corrector_type == "lilicorr"
+        if correct and (lilicorr or cfg.block_size > 2 or cfg.correct_first_slot):
+            first_scores, scores = self.score_candidates(
+                block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
+                anchor=self.anchor_rows(context_hidden_states, position_ids) if lilicorr else None,
+                context_ids=context_ids, context_valid=context_valid,
+            )  # [B, K] or None, [B, S - 1, K, K]
+            # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
             first = first_scores if first_scores is not None else candidate_logits[:, 0]
             chosen = select_candidates(selection, scores.float(), first.float(), decoding.geometric_lambda)
         else:
@@ -594,18 +590,66 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds, corrector_seconds
         )
 
-    def lilicorr_scores(
+    def slot_candidates(
+        self, logits: torch.Tensor, column_tokens: torch.LongTensor | None
+    ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor | None]:
+        """Each slot's top-K candidates, the one way drafting and training take them from `proposal_logits`
+        (logits [..., V'] and the token id of each column): token ids [..., K] best first, their logits [..., K], and
+        their log-probabilities [..., K] under the slot's softmax when the LiLiCorr head reads them (else None)."""
+        candidate_logits, columns = logits.topk(min(self.config.top_k, logits.shape[-1]), dim=-1)
+        candidates = columns if column_tokens is None else column_tokens[columns]  # columns -> token ids
+        if self.config.corrector_type != "lilicorr":
+            return candidates, candidate_logits, None
+        return candidates, candidate_logits, candidate_logits - logits.logsumexp(-1, keepdim=True)
+
+    def score_candidates(
         self,
-        slot_hidden: torch.Tensor,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
         candidates: torch.LongTensor,
-        candidate_log_probs: torch.Tensor,
-        anchor_hidden: torch.Tensor,
-        anchor_valid: torch.BoolTensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LiLiCorr head's (start [R, K], pair scores [R, S - 1, K, K]), as drafting and training both compute
-        them: slot_hidden [R, S, H], candidates / candidate_log_probs [R, S, K], anchor rows [R, H] / [R] from
-        `anchor_rows`."""
-        return self.corrector(slot_hidden, self.embed(candidates), candidate_log_probs, anchor_hidden, anchor_valid)
+        candidate_logits: torch.Tensor,
+        candidate_log_probs: torch.Tensor | None = None,
+        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
+        context_ids: torch.LongTensor | None = None,
+        context_valid: torch.BoolTensor | None = None,
+        anchor_positions: torch.LongTensor | None = None,
+        exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
+        rows: torch.BoolTensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The corrector's transition scores of each block's candidates (`slot_candidates`), the one way drafting and
+        training both compute them: (first-slot scores [R, K], transition scores [R, S - 1, K, K]).
+
+        The first-slot scores are the anchor -> slot 1 transitions: LiLiCorr's start scores, or DCOCO's with
+        `correct_first_slot` (None without). block_hidden [..., block, H] the drafter output of each block (anchor,
+        then slots); anchor_ids [...]; candidates / candidate_logits / candidate_log_probs [..., S, K]. anchor: the
+        LiLiCorr anchor rows ([..., H], valid [...], `anchor_rows`). context_ids / context_valid [B, L] with
+        `context_bigrams` (see `candidate_bigrams`, also for anchor_positions); exclude with `corpus_bigrams` (see
+        `candidate_corpus_inputs`). rows [...], in training, scores only the blocks that teach something (the K^2
+        transitions make the corrector the costly part): R = rows.sum(); without it R is every block.
+        """
+
+        def scored(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+            return [x if x is None or rows is None else x[rows] for x in tensors]
+
+        if self.config.corrector_type == "lilicorr":
+            block_hidden, candidates, candidate_log_probs, *anchor = scored(
+                block_hidden, candidates, candidate_log_probs, *anchor
+            )
+            return self.corrector(block_hidden[..., 1:, :], self.embed(candidates), candidate_log_probs, *anchor)
+        seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid, anchor_positions)
+        corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates, exclude)
+        # The pair inputs read the whole text of each block's sequence, so they come before choosing the rows.
+        block_hidden, anchor_ids, candidates, candidate_logits, seen, first_seen, corpus, first_corpus = scored(
+            block_hidden, anchor_ids, candidates, candidate_logits, seen, first_seen, corpus, first_corpus
+        )
+        slot_hidden = block_hidden[..., 1:, :]  # [R, S, H]
+        candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [R, S, K, H]
+        scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [R, S - 1, K, K]
+        if not self.config.correct_first_slot:
+            return None, scores
+        return self.first_slot_scores(
+            block_hidden, anchor_ids, candidate_embeds[..., 0, :, :], candidate_logits, first_seen, first_corpus
+        ), scores
 
     def anchor_rows(
         self, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor
@@ -623,7 +667,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if n == 0:
             return context_hidden_states.new_zeros(batch, self.config.hidden_size), valid
         rows = context_hidden_states[torch.arange(batch, device=last.device), last]  # [B, n_layers * H]
-        return self.hidden_norm(self.fc(rows.to(self.fc.weight.dtype))), valid
+        return self.fuse_target_states(rows), valid
 
     def first_slot_scores(
         self,

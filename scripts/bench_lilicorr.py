@@ -32,13 +32,13 @@ import torch
 
 from dcoco_hf.bench import (
     BenchSettings,
-    summarise,
     MethodRunner,
     _compare_with_vanilla,
     build_report,
     encode_prompt,
     format_table,
     rotated,
+    summarise,
 )
 from dcoco_hf.block_choice import set_block_size
 from dcoco_hf.cli_common import (

@@ -10,6 +10,7 @@ caught by the same check. Plus smoke tests of the batch-size benchmark (function
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -26,10 +27,12 @@ from sampling_reference import (
     random_drafter,
     total_variation,
 )
+from test_lilicorr import lilicorr_copy, randomise
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LogitsProcessorList
 
 import dcoco_hf.generation as generation
-from dcoco_hf import SpeculativeOutput, speculative_generate
+from dcoco_hf import CorpusBigrams, SpeculativeOutput, speculative_generate
 from dcoco_hf.cpu_linear import LAYOUTS
 
 PAD = 0
@@ -146,6 +149,80 @@ def test_context_bigrams_read_each_rows_committed_tokens(fitted, monkeypatch):
             assert committed.tolist() == rows[r][: committed.shape[0]].tolist()
             assert committed[-1] == anchor[r]
     assert len({int(valid.sum()) for _, _, valid in full}) > 1  # the context grew between cycles
+
+
+# Ops that make the host wait for the device on a GPU: reading a value (`item`, `bool`, `int`), or an output whose
+# size depends on values (`nonzero`, `unique`, ...; boolean indexing too, see `_HostReads`).
+_SYNCING = frozenset({
+    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default,
+    torch.ops.aten.nonzero.default, torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+    torch.ops.aten.unique_consecutive.default, torch.ops.aten.masked_select.default,
+    torch.ops.aten.repeat_interleave.Tensor,
+})
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that wait for the device on a GPU (`_SYNCING`, boolean indexing). CPU tensors run them too, so
+    the count holds on CPU; `tolist`, which CPU tensors answer without an op, is counted apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SYNCING or (func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        )):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("corrector,lengths,compaction", [
+    ("context_bigrams", [5, 12, 2], False), ("context_bigrams", [7, 7], True), ("lilicorr", [5, 12, 2], True),
+])
+def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, monkeypatch):
+    """Each cycle of the batched loop waits for the device once (accepted counts and finished rows, read together):
+    padded and unpadded batches, a corrector reading context bigrams and corpus counts or a LiLiCorr head, rows
+    leaving the batch, and cache compaction, all without `time_phases`."""
+    target, fitted_drafter = fitted
+    if corrector == "lilicorr":
+        drafter = lilicorr_copy(fitted_drafter, target)
+        randomise(drafter.corrector)
+    else:
+        texts = [(torch.arange(40) % VOCAB, torch.ones(40, dtype=torch.bool))]
+        drafter = scrambled(fitted_drafter, seed=4, context_bigrams=True, corpus=CorpusBigrams.count(texts, VOCAB))
+        drafter.config.correct_first_slot = True
+    if compaction:
+        monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
+    reads = _HostReads()
+    at_draft = []  # host reads so far, at each draft
+    propose, tolist, loop = drafter.propose, torch.Tensor.tolist, generation._loop
+
+    def drafting(*args, **kwargs):
+        at_draft.append(reads.count)
+        return propose(*args, **kwargs)
+
+    def counted_tolist(tensor):
+        reads.count += 1
+        return tolist(tensor)
+
+    def counted(*args):
+        with reads:
+            result = loop(*args)
+        at_draft.append(reads.count)  # the last cycle's read comes before the loop ends
+        return result
+
+    monkeypatch.setattr(drafter, "propose", drafting)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    monkeypatch.setattr(generation, "_loop", counted)
+    ids, mask = left_padded(3, lengths)
+    common = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    expected = target.generate(ids, **common)
+    got = speculative_generate(target, ids, drafter=drafter, **common)
+    monkeypatch.undo()
+    assert got.sequences.tolist() == expected.tolist()
+    assert len(at_draft) > 4
+    assert [after - before for before, after in itertools.pairwise(at_draft)] == [1] * (len(at_draft) - 1)
 
 
 def test_cases_were_ragged_and_accepted(fitted, arch):

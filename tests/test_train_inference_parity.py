@@ -1,36 +1,47 @@
-"""Train/inference parity: every block drafted at generation time equals the packed training forward at its anchor.
+"""Train/inference parity: every block drafted at generation time is scored exactly as the training objective scores
+it at the same anchor.
 
-Both paths that call `DCOCODrafter.propose` (transformers' assisted generation and the batched loop) must hand the
-drafter exactly what training showed it: the target states of every position before the anchor, the same positions
-and the same block. A drift here (an off-by-one position, a lost context row) keeps outputs lossless but silently
-costs acceptance, so no exactness test would catch it.
+Both sides take candidates with `DCOCODrafter.slot_candidates` and score them with `DCOCODrafter.score_candidates`;
+this test records what the real `drafter_loss` hands to and gets from `score_candidates`, and compares it with the
+proposals of both paths that call `DCOCODrafter.propose` (transformers' assisted generation and the batched loop).
+They must see exactly what training showed the drafter: the target states of every position before the anchor, the
+same positions and the same block, the same candidates and the same corrector inputs. A drift here (an off-by-one
+position, a lost context row, a caller that computes candidates or scores its own way) keeps outputs lossless but
+silently costs acceptance, so no exactness test would catch it.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import scrambled
+from test_lilicorr import lilicorr_copy, randomise
 
 from dcoco_hf import CorpusBigrams, speculative_generate
-from dcoco_hf.training import pack_blocks, target_context
+from dcoco_hf.training import drafter_loss, objective, pack_blocks, target_context
 
 
-@pytest.mark.parametrize("inputs", ["", "context_bigrams", "corpus_bigrams"])
+@pytest.mark.parametrize("inputs", ["", "context_bigrams", "corpus_bigrams", "lilicorr"])
 @pytest.mark.parametrize("path", ["assisted", "batched"])
 def test_drafted_blocks_equal_the_training_forward(fitted, path, inputs, monkeypatch):
     target, fitted_drafter = fitted
     # A corrector that overrules the drafter, scoring the anchor -> slot 1 transitions too (and, with
-    # context_bigrams, reading m(a, b), or with corpus_bigrams the counts of the target's answers to other prompts):
-    # its scores must also be the training forward's, and the outputs stay the target's own. The training side sees
-    # the whole output, so its m(a, b) must stop at each block's anchor.
+    # context_bigrams, reading m(a, b), or with corpus_bigrams the counts of the target's answers to other prompts;
+    # or a random LiLiCorr head): its scores must also be the training forward's, and the outputs stay the target's
+    # own. The training side sees the whole output, so its m(a, b) must stop at each block's anchor.
     bigrams = inputs == "context_bigrams"
-    corpus = None
+    answers = corpus = None
     if inputs == "corpus_bigrams":
         others = torch.randint(0, target.config.vocab_size, (6, 4), generator=torch.Generator().manual_seed(3))
         answers = target.generate(others, attention_mask=torch.ones_like(others), max_new_tokens=30, do_sample=False)
-        corpus = CorpusBigrams.count(((ids, torch.arange(ids.numel()) >= 4) for ids in answers), target.config.vocab_size)
-    drafter = scrambled(fitted_drafter, seed=2, context_bigrams=bigrams, corpus=corpus)
+        corpus = CorpusBigrams.count(_answer_texts(answers), target.config.vocab_size)
+    if inputs == "lilicorr":
+        drafter = lilicorr_copy(fitted_drafter, target)
+        randomise(drafter.corrector)
+    else:
+        drafter = scrambled(fitted_drafter, seed=2, context_bigrams=bigrams, corpus=corpus)
     cfg = drafter.config
     cfg.correct_first_slot = True
     drafted = []  # (anchor position, context rows the drafter holds, proposal) per cycle
@@ -60,32 +71,64 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, inputs, monkeyp
     assert [seen for _, seen, _ in drafted] == [anchor for anchor, _, _ in drafted]  # all rows before the anchor
     assert any(proposal.chosen[0, 0] != 0 for _, _, proposal in drafted)  # slot 1 was re-selected
 
-    states, argmax = target_context(target, cfg.target_layer_ids, out)
+    # The training step at exactly the drafted anchors, on the output (every token learned), recording what it
+    # scores. Training leaves each record's own pairs out of the corpus counts: a corpus that also counted this
+    # record then reads, with it left out, exactly the counts drafting read.
     anchors = torch.tensor([[anchor for anchor, _, _ in drafted]])  # [1, m]
     everything = torch.ones_like(out, dtype=torch.bool)
+    if corpus is not None:  # drafting read some counted candidate pairs, and some uncounted ones
+        candidates = torch.stack([p.candidates[0] for _, _, p in drafted])  # [m, S, K]
+        counts = drafter.candidate_corpus_inputs(out[:, anchors[0]], candidates[None])[0]  # [1, m, S - 1, K, K, 2]
+        assert 0 < int((counts[..., 0] > 0).sum()) < counts[..., 0].numel()
+        texts = [*_answer_texts(answers), (out[0], everything[0])]
+        drafter.set_corpus_bigrams(CorpusBigrams.count(texts, cfg.vocab_size))
+    monkeypatch.setattr(objective, "sample_anchors", lambda *_: (anchors, torch.ones_like(anchors, dtype=torch.bool)))
+    scored = []  # (arguments, result) of each score_candidates call
+    score = drafter.score_candidates
+    signature = inspect.signature(score)
+
+    def scoring(*args, **kwargs):
+        result = score(*args, **kwargs)
+        scored.append((signature.bind(*args, **kwargs).arguments, result))
+        return result
+
+    monkeypatch.setattr(drafter, "score_candidates", scoring)
+    states, argmax = target_context(target, cfg.target_layer_ids, out)
+    with torch.no_grad():
+        drafter_loss(drafter, out, everything, states, argmax, num_anchors=anchors.shape[1])
+    (arguments, (first, pairs)), = scored  # training scores through the one function drafting uses
     blocks = pack_blocks(out, argmax, everything, anchors, torch.ones_like(anchors, dtype=torch.bool),
                          cfg.block_size, cfg.mask_token_id)
-    with torch.no_grad():
-        hidden = drafter(drafter.embed(blocks.block_ids), states, blocks.position_ids, blocks.attention_mask)
-        block_hidden = hidden.last_hidden_state.view(anchors.shape[1], cfg.block_size, -1)  # [m, block, H]
-        logits, candidates = drafter.proposal_logits(block_hidden[:, 1:])[0].topk(cfg.top_k, dim=-1)  # [m, S, K]
-        anchor_ids = blocks.block_ids.view(-1, cfg.block_size)[:, 0]  # [m]
-        seen, first_seen = drafter.candidate_bigrams(anchor_ids[None], candidates[None], out, anchor_positions=anchors)
-        # Drafting has no record to leave out of the counts (training's leave-one-out is its only difference).
-        counts, first_counts = drafter.candidate_corpus_inputs(anchor_ids[None], candidates[None])
-        first = drafter.first_slot_scores(block_hidden, anchor_ids, drafter.embed(candidates[:, 0]), logits,
-                                          None if first_seen is None else first_seen[0],
-                                          None if first_counts is None else first_counts[0])  # [m, K]
-        pairs = drafter.corrector(block_hidden[:, 1:], drafter.embed(candidates), logits,
-                                  None if seen is None else seen[0],
-                                  None if counts is None else counts[0])  # [m, S - 1, K, K]
-    if bigrams:  # the input really varies, and the full text would have said otherwise for some block
-        assert 0 < int(seen.sum()) < seen.numel()
-        everywhere = drafter.candidate_bigrams(anchor_ids[None], candidates[None], out)
-        assert not (torch.equal(seen, everywhere[0]) and torch.equal(first_seen, everywhere[1]))
-    if corpus is not None:  # some candidate pairs were counted, some not
-        assert 0 < int((counts[..., 0] > 0).sum()) < counts[..., 0].numel()
+    labelled = blocks.label_mask[0]  # [m, S] slots whose true token training knows (the rest are placeholders)
+    assert labelled[:, 0].all()  # on the target's own output every block's slot 1 is labelled
+    if "rows" in arguments:  # DCOCO training passes every block, and which ones to score
+        rows = arguments["rows"][0]  # [m]
+        candidates, logits = arguments["candidates"][0][rows], arguments["candidate_logits"][0][rows]  # [R, S, K]
+    else:  # LiLiCorr training passes the blocks it scores only: those whose slot 1 is labelled, here every one
+        rows = labelled[:, 0]
+        candidates, logits = arguments["candidates"], arguments["candidate_logits"]
+    labelled = labelled[rows]  # [R, S]
+    assert 0 < int(rows.sum())
+    proposals = [p for _, _, p in drafted]
+    drafted_candidates = torch.stack([p.candidates[0] for p in proposals])[rows]  # [R, S, K]
     close = dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(torch.stack([p.candidate_logits[0] for _, _, p in drafted]), logits, **close)
-    torch.testing.assert_close(torch.stack([p.first_slot_scores[0] for _, _, p in drafted]), first, **close)
-    torch.testing.assert_close(torch.stack([p.transition_scores[0] for _, _, p in drafted]), pairs, **close)
+    assert torch.equal(candidates[labelled], drafted_candidates[labelled])
+    drafted_logits = torch.stack([p.candidate_logits[0] for p in proposals])[rows]  # [R, S, K]
+    torch.testing.assert_close(logits[labelled], drafted_logits[labelled], **close)
+    torch.testing.assert_close(first, torch.stack([p.first_slot_scores[0] for p in proposals])[rows], **close)
+    # A DCOCO pair's score reads its own two slots only: compare the pairs whose both slots training labels.
+    both = labelled[:, :-1] & labelled[:, 1:]  # [R, S - 1]
+    drafted_pairs = torch.stack([p.transition_scores[0] for p in proposals])[rows]  # [R, S - 1, K, K]
+    torch.testing.assert_close(pairs[both], drafted_pairs[both], **close)
+    if bigrams:  # the input really varies, and the full text would have said otherwise for some block
+        anchor_ids = blocks.block_ids.view(-1, cfg.block_size)[:, 0]  # [m]
+        grid = arguments["candidates"]  # [1, m, S, K]
+        seen, first_seen = drafter.candidate_bigrams(anchor_ids[None], grid, out, anchor_positions=anchors)
+        assert 0 < int(seen.sum()) < seen.numel()
+        everywhere = drafter.candidate_bigrams(anchor_ids[None], grid, out)
+        assert not (torch.equal(seen, everywhere[0]) and torch.equal(first_seen, everywhere[1]))
+
+
+def _answer_texts(answers: torch.LongTensor) -> list[tuple[torch.LongTensor, torch.BoolTensor]]:
+    """(ids, learned) of each answer to 4-token prompts, as training records count into `CorpusBigrams`."""
+    return [(ids, torch.arange(ids.numel()) >= 4) for ids in answers]

@@ -120,47 +120,35 @@ def drafter_loss(
         accuracy = torch.zeros_like(counts).index_add_(0, slot, correct) / counts.clamp(min=1)
     if not dcoco:
         return DrafterLoss(stage1, stage1.detach(), None, accuracy)
+    anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]  # [N, m]
     if cfg.corrector_type == "lilicorr":
-        return _lilicorr_stage(drafter, stage1, accuracy, blocks, labelled, slot_hidden, context_states)
+        return _lilicorr_stage(drafter, stage1, accuracy, blocks, labelled, block_hidden, anchor_ids, context_states)
 
-    top_logits, top_ids = logits.topk(cfg.top_k, dim=-1)  # [L, K]
-    if column_tokens is not None:
-        top_ids = column_tokens[top_ids]  # candidates are token ids, as in `propose`
+    top_ids, top_logits, _ = drafter.slot_candidates(logits, column_tokens)  # [L, K], as `propose` takes them
     # Unlabelled slots get placeholder candidates: every pair touching them is unusable, and a pair's score reads
     # only its own two slots, so they never reach the loss.
-    candidates = top_ids.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_ids)  # [N, m, S, K]
-    candidate_logits = top_logits.new_zeros(*labelled.shape, cfg.top_k).index_put((labelled,), top_logits)
+    k = top_ids.shape[-1]
+    candidates = top_ids.new_zeros(*labelled.shape, k).index_put((labelled,), top_ids)  # [N, m, S, K]
+    candidate_logits = top_logits.new_zeros(*labelled.shape, k).index_put((labelled,), top_logits)
     pair_index, usable = transition_labels(candidates, blocks.labels, labelled)  # [N, m, S-1]
-    # Score only blocks with a usable pair: the K^2 transitions of every pair make the corrector the costly part.
-    rows = usable.flatten(0, 1).any(-1)  # [N*m]
-    anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]  # [N, m]
-    # m(a, b) over the text up to each block's anchor, as drafting sees it ([N, m, S-1, K, K], [N, m, K]).
-    seen, first_seen = drafter.candidate_bigrams(anchor_ids, candidates, input_ids, anchor_positions=blocks.anchors)
-    # Corpus counts without each record's own pairs, as for a prompt the corpus never saw ([N, m, S-1, K, K, 2]).
-    corpus, first_corpus = drafter.candidate_corpus_inputs(anchor_ids, candidates, exclude=(input_ids, loss_mask))
-    scores = drafter.corrector(
-        slot_hidden.flatten(0, 1)[rows],
-        drafter.embed(candidates.flatten(0, 1)[rows]).to(slot_hidden.dtype),
-        candidate_logits.flatten(0, 1)[rows],
-        None if seen is None else seen.flatten(0, 1)[rows],
-        None if corpus is None else corpus.flatten(0, 1)[rows],
-    )  # [R, S-1, K, K]
-    pair_index, usable = pair_index.flatten(0, 1)[rows], usable.flatten(0, 1)[rows]  # [R, S-1]
-    stage2 = pair_loss_of(scores, pair_index, usable, rho)
-    first_accuracy = None
+    rows = usable.any(-1)  # [N, m] blocks with a usable pair (or, below, a slot-1 label among its candidates)
     if cfg.correct_first_slot:
         index, found = candidate_index(candidates[:, :, 0], blocks.labels[:, :, 0], labelled[:, :, 0])  # [N, m]
-        if found.any():
-            first_scores = drafter.first_slot_scores(
-                block_hidden[found], anchor_ids[found], drafter.embed(candidates[:, :, 0][found]),
-                candidate_logits[found], None if first_seen is None else first_seen[found],
-                None if first_corpus is None else first_corpus[found],
-            )  # [F, K]
-            stage2 = stage2 + first_slot_loss(first_scores, index[found])
-            with torch.no_grad():
-                first_accuracy = (
-                    (index[found] == 0).float().mean(), (first_scores.argmax(-1) == index[found]).float().mean()
-                )
+        rows = rows | found
+    # m(a, b) over the text up to each block's anchor, as drafting sees it; corpus counts without each record's own
+    # pairs (leave-one-out), as for a prompt the corpus never saw.
+    first_scores, scores = drafter.score_candidates(
+        block_hidden, anchor_ids, candidates, candidate_logits, context_ids=input_ids,
+        anchor_positions=blocks.anchors, exclude=(input_ids, loss_mask), rows=rows,
+    )  # [R, K] or None, [R, S-1, K, K]
+    pair_index, usable = pair_index[rows], usable[rows]  # [R, S-1]
+    stage2 = pair_loss_of(scores, pair_index, usable, rho)
+    first_accuracy = None
+    if cfg.correct_first_slot and found.any():
+        first_scores, index = first_scores[found[rows]], index[found]  # [F, K], [F]
+        stage2 = stage2 + first_slot_loss(first_scores, index)
+        with torch.no_grad():
+            first_accuracy = ((index == 0).float().mean(), (first_scores.argmax(-1) == index).float().mean())
     return DrafterLoss(
         stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(scores, pair_index, usable),
         first_accuracy,
@@ -173,7 +161,8 @@ def _lilicorr_stage(
     accuracy: torch.Tensor,
     blocks,
     labelled: torch.BoolTensor,
-    slot_hidden: torch.Tensor,
+    block_hidden: torch.Tensor,
+    anchor_ids: torch.LongTensor,
     context_states: torch.Tensor,
 ) -> DrafterLoss:
     """Stage 2 with a LiLiCorr head: score each block's whole lattice as `propose` does, then the chain loss.
@@ -183,17 +172,16 @@ def _lilicorr_stage(
     """
     cfg = drafter.config
     rows = labelled[..., 0]  # [N, m]
-    hidden = slot_hidden[rows]  # [R, S, H]
-    logits, column_tokens = drafter.proposal_logits(hidden)  # [R, S, V']
-    top_logits, candidates = logits.topk(cfg.top_k, dim=-1)  # [R, S, K]
-    if column_tokens is not None:
-        candidates = column_tokens[candidates]
-    log_probs = top_logits - logits.logsumexp(-1, keepdim=True)  # [R, S, K]
+    hidden = block_hidden[rows]  # [R, B, H]
+    logits, column_tokens = drafter.proposal_logits(hidden[:, 1:])  # [R, S, V']
+    candidates, candidate_logits, log_probs = drafter.slot_candidates(logits, column_tokens)  # [R, S, K]
     index, found = candidate_index(candidates, blocks.labels[rows], labelled[rows])  # [R, S]
     # The anchor row is the fused target context just before each block, as drafting reads it (`anchor_rows`).
     sequence, before = rows.nonzero()[:, 0], blocks.anchors[rows] - 1  # [R], [R]
-    anchor = drafter.hidden_norm(drafter.fc(context_states[sequence, before.clamp(min=0)]))  # [R, H]
-    start, pairs = drafter.lilicorr_scores(hidden, candidates, log_probs, anchor, before >= 0)
+    anchor = drafter.fuse_target_states(context_states[sequence, before.clamp(min=0)])  # [R, H]
+    start, pairs = drafter.score_candidates(
+        hidden, anchor_ids[rows], candidates, candidate_logits, log_probs, anchor=(anchor, before >= 0)
+    )  # [R, K], [R, S - 1, K, K]
     stage2 = lilicorr_loss(start, pairs, index, found)
     k = cfg.top_k
     pair_index, usable = index[:, :-1] * k + index[:, 1:], found[:, :-1] & found[:, 1:]  # [R, S - 1]

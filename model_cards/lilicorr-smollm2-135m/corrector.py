@@ -238,7 +238,7 @@ class ContextBigrams:
     """The token pairs of each row's committed text, sorted once, to look up m(a, b) for any number of candidates.
 
     context_ids [B, L]; context_valid [B, L] marks the real tokens (False: padding, which forms no pair). Pairs are
-    hashed to (row, a, b) and kept as sorted unique hashes, each with the earliest position of its second token.
+    hashed to (row, a, b) and kept as sorted hashes, each with the position of its second token.
     """
 
     def __init__(
@@ -253,8 +253,11 @@ class ContextBigrams:
         if context_valid is not None:
             pair = pair.masked_fill(~(context_valid[:, :-1] & context_valid[:, 1:]), -1)  # no query hashes to -1
         end = torch.arange(1, length, device=context_ids.device).expand_as(pair)  # [B, L - 1] position of the second
-        self.unique, inverse = torch.unique(pair.flatten(), return_inverse=True)
-        self.earliest = torch.full_like(self.unique, length).scatter_reduce(0, inverse, end.flatten(), "amin")
+        # Sorted with repeats rather than made unique: `torch.unique` learns its size on the host, a sync per draft on
+        # a GPU. The stable sort keeps a repeated pair's positions ascending, so the first of its run, the one a
+        # lookup finds, holds the earliest.
+        self.keys, order = pair.flatten().sort(stable=True)  # [B * (L - 1)]
+        self.ends = end.flatten()[order]  # [B * (L - 1)]
 
     def _hash(self, row: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         return (row * self.vocab_size + first.long()) * self.vocab_size + second.long()
@@ -266,13 +269,13 @@ class ContextBigrams:
         `second` in the row's context. ends [B, ...] (broadcast with first), when given, counts only pairs whose
         second token sits at a position <= end (training: the text up to each block's anchor). -> [B, ...]."""
         query = self._hash(self.rows.view(-1, *([1] * (first.dim() - 1))), first, second)  # [B, ...]
-        index, found = _find_sorted(self.unique, query)
-        return found if ends is None else found & (self.earliest[index] <= ends)
+        index, found = _find_sorted(self.keys, query)
+        return found if ends is None else found & (self.ends[index] <= ends)
 
 
 def _find_sorted(keys: torch.Tensor, query: torch.Tensor) -> tuple[torch.LongTensor, torch.BoolTensor]:
-    """Where each query would sit in ascending keys [N] (clamped to a valid index) and whether it is there, both
-    [query's shape]; with no keys at all (e.g. a context of one token), nothing is found."""
+    """Where each query would sit in ascending keys [N] (clamped to a valid index; the first of repeated keys) and
+    whether it is there, both [query's shape]; with no keys at all (e.g. a context of one token), nothing is found."""
     if keys.numel() == 0:
         return torch.zeros_like(query), torch.zeros(query.shape, dtype=torch.bool, device=query.device)
     index = torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)
