@@ -6,13 +6,15 @@ drafter trained on its frozen backbone) and runs, for each prompt, in an order r
 * vanilla:   plain greedy `target.generate()`;
 * dflash@B:  the DCOCO drafter with its corrector off (plain DFlash argmax blocks, our engine);
 * dcoco@B:   the DCOCO drafter;
-* lilicorr@B: the LiLiCorr drafter,
+* lilicorr@B: the LiLiCorr drafter;
+* dflash-LABEL@B: with `--backbone LABEL=FOLDER`, another backbone with its corrector off (DScout's AWL, its control),
 
 all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanilla on the same prompts), the head's
 share of the time and equality with plain greedy are measured exactly as `dcoco-hf bench` measures them. fp32, with
 the CLI's CPU speed-ups (the "sdpa_cpu_gqa" attention and few-rows linear layouts, given as measured on our machine).
 
     python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 40 --max-new-tokens 96 \
+        --backbone awl=runs/awl-backbone/final --backbone decay=runs/decay-backbone/final \
         --json docs/bench_lilicorr.json
     python scripts/bench_lilicorr.py --render docs/bench_lilicorr.json --write docs/lilicorr.md   # its table
 
@@ -53,7 +55,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # The few-rows layouts `attach` measured for SmolLM2-135M on the 2-core AMD EPYC machine of docs/lilicorr.md.
 TARGET_LAYOUT = {2: "transposed", 3: "transposed", 4: "packed", 5: "packed", 6: "transposed"}
 SEGMENT = 20  # prompts per reported segment of a suite
-TABLE_START, TABLE_END = "<!-- bench_lilicorr table: start -->", "<!-- bench_lilicorr table: end -->"
+
+
+def table_markers(source: str) -> tuple[str, str]:
+    """The lines between which a document holds the table of report `source`."""
+    return f"<!-- table of {source}: start -->", f"<!-- table of {source}: end -->"
+
 SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
 
 
@@ -62,6 +69,9 @@ def parse_args() -> argparse.Namespace:
     add_prompt_arguments(p)
     p.add_argument("--dcoco-drafter", default=str(ROOT / "model_cards" / "dcoco-smollm2-135m"))
     p.add_argument("--lilicorr-drafter", default=str(ROOT / "model_cards" / "lilicorr-smollm2-135m"))
+    p.add_argument("--backbone", action="append", default=[], metavar="LABEL=FOLDER",
+                   help="another drafter whose backbone to compare, corrector off, as method dflash-LABEL@B (e.g. "
+                   "awl=runs/awl-backbone/final); repeatable")
     p.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--block-size", type=int, default=4, help="the block every drafter method drafts (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -71,7 +81,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--render", default=None, metavar="REPORT.json", help="print the markdown table of a finished "
                    "report instead of benchmarking")
     p.add_argument("--write", default=None, metavar="DOC.md", help="with --render: replace the table in DOC.md "
-                   f"between {TABLE_START} and {TABLE_END}")
+                   f"between the lines {' and '.join(table_markers('REPORT.json'))}")
+    p.add_argument("--methods", default=None, help="comma-separated subset of the methods to run (default: all; "
+                   "vanilla always runs: outputs are compared with it)")
     return p.parse_args()
 
 
@@ -80,7 +92,7 @@ def main() -> None:
     if args.render:
         table = markdown_table(json.loads(Path(args.render).read_text()), args.render)
         if args.write:
-            write_between_markers(Path(args.write), table)
+            write_between_markers(Path(args.write), table, args.render)
         print(table)
         return
     prompts = round_robin(collect_prompts(args))  # suites alternate, so a run cut short still covers each
@@ -88,26 +100,40 @@ def main() -> None:
     target, tokenizer, target_name = load_target(args.target, device, torch.float32, "sdpa")  # fp32: token-exact
     dcoco = load_drafter(args.dcoco_drafter, target.device, target.dtype, "sdpa")
     lilicorr = load_drafter(args.lilicorr_drafter, target.device, target.dtype, "sdpa")
+    backbones = {}
+    for given in args.backbone:
+        label, sep, folder = given.partition("=")
+        if not sep or not label or not folder or label in ("dcoco", "lilicorr"):
+            raise SystemExit(f"--backbone {given}: give LABEL=FOLDER with a new label (awl=runs/awl-backbone/final)")
+        backbones[label] = load_drafter(folder, target.device, target.dtype, "sdpa")
     if lilicorr.config.corrector_type != "lilicorr":
         raise SystemExit(f"--lilicorr-drafter {args.lilicorr_drafter}: its corrector_type is "
                          f"{lilicorr.config.corrector_type!r}, not 'lilicorr'")
     # The CLI's CPU speed-ups, with the layouts it measured on this machine (`~/.cache/dcoco-hf/tuning`) given
     # explicitly: measuring them again under a loaded machine takes minutes and could differ between two drafters.
-    for drafter in (dcoco, lilicorr):
+    for drafter in (dcoco, lilicorr, *backbones.values()):
         drafter.attach(target, tune=False)
         set_block_size(drafter, args.block_size)
     if device.type == "cpu":
         target.set_attn_implementation("sdpa_cpu_gqa")
         if not args.plain_linear:
             use_few_rows_linear(target, max_rows=6, layout=TARGET_LAYOUT)
-            for drafter in (dcoco, lilicorr):
+            for drafter in (dcoco, lilicorr, *backbones.values()):
                 use_few_rows_linear(drafter, max_rows=6, layout="transposed")
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, warmup=args.warmup)
     b = args.block_size
     # (label, runner, the runner's method) per method; labels are what the report calls them.
-    runners = {"dcoco": MethodRunner(target, dcoco, settings), "lilicorr": MethodRunner(target, lilicorr, settings)}
+    runners = {"dcoco": MethodRunner(target, dcoco, settings), "lilicorr": MethodRunner(target, lilicorr, settings),
+               **{label: MethodRunner(target, drafter, settings) for label, drafter in backbones.items()}}
     plan = [("vanilla", "dcoco", "vanilla"), (f"dflash@{b}", "dcoco", f"dflash@{b}"),
             (f"dcoco@{b}", "dcoco", f"dcoco@{b}"), (f"lilicorr@{b}", "lilicorr", f"dcoco@{b}")]
+    plan += [(f"dflash-{label}@{b}", label, f"dflash@{b}") for label in backbones]
+    if args.methods:
+        wanted = {"vanilla", *args.methods.split(",")}
+        unknown = wanted - {label for label, _, _ in plan}
+        if unknown:
+            raise SystemExit(f"--methods: {sorted(unknown)} not among {[label for label, _, _ in plan]}")
+        plan = [step for step in plan if step[0] in wanted]
     labels = [label for label, _, _ in plan]
     encoded = [encode_prompt(tokenizer, item.text).to(target.device) for item in prompts]
     records = []
@@ -146,7 +172,8 @@ def round_robin(prompts: list) -> list:
 def write_report(args: argparse.Namespace, records: list, labels: list[str], planned: int, target_name: str) -> dict:
     """The bench report of the records so far (written to --json when given)."""
     b = args.block_size
-    config = {"command": " ".join(sys.argv), "few_rows_linear": not args.plain_linear, "target": target_name, "dcoco_drafter": args.dcoco_drafter,
+    config = {"command": " ".join(sys.argv), "few_rows_linear": not args.plain_linear, "target": target_name,
+              "dcoco_drafter": args.dcoco_drafter,
               "lilicorr_drafter": args.lilicorr_drafter, "block_size": b, "max_new_tokens": args.max_new_tokens,
               "prompts_planned": planned, "prompts_done": len(records) // len(labels), "skip": args.skip,
               "limit": args.limit}
@@ -168,7 +195,7 @@ def markdown_table(report: dict, source: str) -> str:
     labels = list(report["methods"])
     dflash = next(label for label in labels if label.startswith("dflash"))
     lines = [
-        f"`python scripts/bench_lilicorr.py --render {source}` ({report['config']['command']}):",
+        f"`python scripts/bench_lilicorr.py --render {source}`, of the run `python {report['config']['command']}`:",
         "",
         "| prompts | method | tau | tau / DFlash | speedup over greedy | head share of time | chain accept "
         "(slots 1-3) | output == greedy |",
@@ -191,12 +218,13 @@ def markdown_table(report: dict, source: str) -> str:
     return "\n".join(lines)
 
 
-def write_between_markers(doc: Path, table: str) -> None:
+def write_between_markers(doc: Path, table: str, source: str) -> None:
+    start, end = table_markers(source)
     text = doc.read_text()
-    if TABLE_START not in text or TABLE_END not in text:
-        raise SystemExit(f"{doc}: add the lines {TABLE_START} and {TABLE_END} where the table goes")
-    head, rest = text.split(TABLE_START, 1)
-    doc.write_text(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{rest.split(TABLE_END, 1)[1]}")
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: add the lines {start} and {end} where the table goes")
+    head, rest = text.split(start, 1)
+    doc.write_text(f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}")
 
 
 if __name__ == "__main__":
