@@ -110,15 +110,16 @@ def test_readme_and_card_are_product_docs():
         assert f"`dcoco_hf/{shown}" in readme or f"`{path.name}`" in readme or f", `{path.name}" in readme, name
 
 
-@pytest.mark.parametrize("source", ["docs/bench_lilicorr.json", "docs/bench_awl.json"])
+@pytest.mark.parametrize("source", ["docs/bench_lilicorr.json"])
 def test_lilicorr_tables_are_their_json_files(source):
-    """docs/lilicorr.md's tables are `scripts/bench_lilicorr.py --render`'s rendering of the JSON files they name, and
-    every output of those runs equals plain greedy."""
+    """The LiLiCorr tables (docs/lilicorr.md, its model card) are `scripts/bench_lilicorr.py --render`'s rendering of
+    the JSON file they name, and every output of that run equals plain greedy."""
     bench = runpy.run_path(str(ROOT / "scripts" / "bench_lilicorr.py"))
     report = json.loads((ROOT / source).read_text())
     start, end = bench["table_markers"](source)
-    shown = (ROOT / "docs" / "lilicorr.md").read_text().split(start, 1)[1].split(end, 1)[0].strip()
-    assert shown == bench["markdown_table"](report, source), f"run bench_lilicorr.py --render {source} --write ..."
+    for doc in (ROOT / "docs" / "lilicorr.md", ROOT / "model_cards" / "lilicorr-smollm2-135m" / "README.md"):
+        shown = doc.read_text().split(start, 1)[1].split(end, 1)[0].strip()
+        assert shown == bench["markdown_table"](report, source), f"run bench_lilicorr.py --render {source} --write {doc}"
     for segments in report["segments"].values():
         for methods in segments.values():
             assert all(m["equal_to_vanilla"] == 1.0 for m in methods.values() if m["prompts"])

@@ -390,3 +390,14 @@ def test_corrupt_safetensors(saved, damage):
             load(saved)
         message = str(error.value)
         assert str(path) in message and "download or save the checkpoint again" in message, message
+
+
+def test_config_keywords_stay_out_of_the_generation_config(tmp_path, llama):
+    """`from_pretrained(folder, top_k=..., correct_first_slot=...)` changes config.json's fields only: transformers
+    would also copy them into the generation config, which then saved architecture fields beside decoding choices."""
+    DCOCODrafter.from_target(llama, num_hidden_layers=1, block_size=4, top_k=4).save_pretrained(tmp_path / "a")
+    loaded = DCOCODrafter.from_pretrained(tmp_path / "a", correct_first_slot=True, selection="viterbi")
+    assert loaded.config.correct_first_slot and loaded.decoding.selection == "viterbi"
+    loaded.save_pretrained(tmp_path / "b")
+    generation = json.loads((tmp_path / "b" / "generation_config.json").read_text())
+    assert "correct_first_slot" not in generation and generation["selection"] == "viterbi"

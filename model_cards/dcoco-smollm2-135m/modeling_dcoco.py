@@ -867,6 +867,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "generation_config.json; they were moved there on load (a value already there wins). Save the drafter "
                 "again (save_pretrained) to write them where they belong."
             )
+        # transformers also copies config keywords into the generation config; they belong to config.json alone.
+        for name in set(kwargs) & set(vars(model.config)) - set(vars(GenerationConfig())):
+            vars(model.generation_config).pop(name, None)
         model._settle_decoding(decoding)  # transformers replaced the generation config with the folder's
         return (model, info) if want_info else model
 
