@@ -1,4 +1,4 @@
-"""Write samples of regenerated answer sets as one-shard folders (plus SOURCE.txt naming the records).
+r"""Write samples of regenerated answer sets as one-shard folders (plus SOURCE.txt naming the records).
 
 Used where a recipe trains on part of the answer sets, e.g. the LiLiCorr head (recipes/smollm2/lilicorr.yaml), whose
 target-feature cache on a 2-core machine could not hold the whole sets. Two ways:
