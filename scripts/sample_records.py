@@ -39,8 +39,7 @@ def listed_indices(folder: Path) -> list[int]:
     return [int(index) for index in re.findall(r"\d+", source.read_text().split(":", 1)[1])]
 
 
-def write_sample(source: Path, output: Path, indices: list[int], note: str) -> None:
-    records = load_shards(source)
+def write_sample(source: Path, records: list[dict], output: Path, indices: list[int], note: str) -> None:
     if indices and max(indices) >= len(records):
         raise SystemExit(f"{output}: record {max(indices)} is not in {source} ({len(records)} records); regenerate "
                          "the answer set that list was drawn from")
@@ -61,14 +60,15 @@ def main() -> None:
     args = p.parse_args()
     if args.from_list is not None:
         for output, entry in json.loads(args.from_list.read_text()).items():
-            write_sample(Path(entry["source"]), Path(output), entry["indices"], f"listed in {args.from_list}")
+            source = Path(entry["source"])
+            write_sample(source, load_shards(source), Path(output), entry["indices"], f"listed in {args.from_list}")
         return
     if args.source is None or args.output is None or args.count is None:
         p.error("give --from-list FILE, or --source, --output and --count to draw a new sample")
     exclude = {index for folder in args.exclude for index in listed_indices(folder)}
-    total = len(load_shards(args.source))
-    indices = sampled_indices(total, args.count, args.seed, exclude)
-    write_sample(args.source, args.output, indices, f"sampled (random.seed({args.seed}))")
+    records = load_shards(args.source)
+    indices = sampled_indices(len(records), args.count, args.seed, exclude)
+    write_sample(args.source, records, args.output, indices, f"sampled (random.seed({args.seed}))")
 
 
 if __name__ == "__main__":
