@@ -359,10 +359,11 @@ def load_target(
     return model.eval(), tokenizer, name
 
 
-def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str) -> DCOCODrafter:
+def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str, **config: Any) -> DCOCODrafter:
+    """The drafter `spec` (a folder or Hub id) on `device`, in eval mode; `config` overrides config fields."""
     log(f"loading drafter {spec}")
     try:
-        drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn)
+        drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn, **config)
     except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
         raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
     except RuntimeError as err:

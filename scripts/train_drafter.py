@@ -67,13 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the --init drafter was trained on)")
     p.add_argument("--corrector-only", action="store_true",
                    help="stage 2: freeze the backbone and train only the corrector (needs --init)")
+    p.add_argument("--evidence-only", action="store_true",
+                   help="stage 2 with --init of a LiLiCorr drafter and --context-bigrams / --corpus-bigrams: train "
+                        "only the head's pair evidence; the backbone and the head stay as they are, so the head's "
+                        "public export is unchanged")
     p.add_argument("--correct-first-slot", action="store_true",
                    help="stage 2: train (and ship) the anchor -> slot 1 transitions too, so the walk may re-select "
                         "slot 1 (config `correct_first_slot`; adds no weights, so it goes with --init)")
     p.add_argument("--context-bigrams", action="store_true",
                    help="stage 2 with --init: the corrector also reads whether each candidate pair occurs in the "
                         "committed text (config `context_bigrams`; its new weights start at zero, so the scores "
-                        "start as before)")
+                        "start as before; a LiLiCorr head reads it through its pair evidence)")
     p.add_argument("--corpus-bigrams", action="store_true",
                    help="stage 2 with --init: the corrector also reads how often each candidate pair was written in "
                         "the --data answers (counted once per folder, stored with the weights; config "
@@ -165,11 +169,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.draft_block_size is not None and not args.init:
         p.error("--draft-block-size sets the drafted block of an existing drafter: use it with --init FOLDER "
                 "(a new drafter takes --block-size)")
-    dcoco_only = [flag for flag, on in (("--context-bigrams", args.context_bigrams), ("--corpus-bigrams",
-                  args.corpus_bigrams), ("--corrector-hidden", args.corrector_hidden is not None), (
+    dcoco_only = [flag for flag, on in (("--corrector-hidden", args.corrector_hidden is not None), (
                   "--correct-first-slot", args.correct_first_slot), ("--pair-loss", args.pair_loss != "joint")) if on]
     if args.corrector == "lilicorr" and dcoco_only:
         p.error(f"{', '.join(dcoco_only)}: DCOCO corrector options; a LiLiCorr head takes none of them (drop them)")
+    if args.evidence_only and not (args.stage == 2 and args.init and (args.context_bigrams or args.corpus_bigrams)):
+        p.error("--evidence-only trains the pair evidence of an existing LiLiCorr head: use it with --stage 2 --init "
+                "FOLDER and --context-bigrams and/or --corpus-bigrams")
     if args.correct_first_slot and args.stage != 2:
         p.error("--correct-first-slot trains corrector scores, which stage 1 leaves at zero: use it with --stage 2")
     for name, default in NEW_DRAFTER.items():
@@ -233,6 +239,7 @@ def main() -> None:
     model = DrafterTrainingModel(
         drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only,
         block_sizes=args.block_sizes, pair_loss=args.pair_loss, slot_weighting=args.slot_weighting,
+        evidence_only=args.evidence_only,
     )
     pad = target.generation_config.pad_token_id or 0
     trainer = DrafterTrainer(
@@ -274,14 +281,15 @@ def corrector_switch(args: argparse.Namespace) -> dict:
     """`from_pretrained` overrides that give the --init drafter a fresh head of kind --corrector (none if it has that
     kind).
 
-    A new LiLiCorr head is sized for the largest block it will train on, reads none of DCOCO's inputs, and starts with
-    no measured block_tau (the DCOCO corrector's taus do not describe it)."""
+    A new LiLiCorr head is sized for the largest block it will train on, reads pair evidence only when asked
+    (--context-bigrams, --corpus-bigrams), does not score DCOCO's way (correct_first_slot off: it always scores slot
+    1 by its start scores), and starts with no measured block_tau (the DCOCO corrector's taus do not describe it)."""
     if args.corrector is None or DCOCOConfig.from_pretrained(args.init).corrector_type == args.corrector:
         return {}
     if args.corrector == "dcoco":
         return {"corrector_type": "dcoco"}
     block = max(args.block_sizes or [args.draft_block_size or 0]) or None  # None: the drafter's block_size
-    return {"corrector_type": "lilicorr", "lilicorr_block_size": block, "context_bigrams": False,
+    return {"corrector_type": "lilicorr", "lilicorr_block_size": block, "context_bigrams": args.context_bigrams,
             "corpus_bigrams": None, "correct_first_slot": False, "block_tau": None}
 
 

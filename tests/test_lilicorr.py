@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from dcoco_hf import DCOCOConfig, DCOCODrafter, speculative_generate
-from dcoco_hf.lilicorr import LiLiCorrCorrector
+from dcoco_hf.lilicorr import LiLiCorrCorrector, PairEvidence
 from dcoco_hf.training import drafter_loss, target_context
 from dcoco_hf.training.losses import awl_slot_weights, lilicorr_loss
 
@@ -35,11 +35,12 @@ def lilicorr_setup():
     return target, drafter
 
 
-def lilicorr_copy(drafter: DCOCODrafter, target) -> DCOCODrafter:
-    """The same backbone with a fresh (zero-gated) LiLiCorr head."""
+def lilicorr_copy(drafter: DCOCODrafter, target, **fields) -> DCOCODrafter:
+    """The same backbone with a fresh (zero-gated) LiLiCorr head; `fields` set more config fields."""
     config = copy.deepcopy(drafter.config)
     config.corrector_type, config.lilicorr_block_size = "lilicorr", config.block_size
-    for name, value in HEAD.items():
+    config.context_bigrams, config.corpus_bigrams = False, None
+    for name, value in {**HEAD, **fields}.items():
         setattr(config, name, value)
     clone = DCOCODrafter(config)
     clone.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("corrector.")},
@@ -47,12 +48,14 @@ def lilicorr_copy(drafter: DCOCODrafter, target) -> DCOCODrafter:
     return clone.eval().attach(target, tune=False)
 
 
-def randomise(head: LiLiCorrCorrector, seed: int = 0) -> None:
+def randomise(module: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights for a LiLiCorr head (gate 1) or a part of one."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in head.parameters():
+        for param in module.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    head.set_gate(1.0)
+    if isinstance(module, LiLiCorrCorrector):
+        module.set_gate(1.0)
 
 
 def prompts(n: int = 3, seed: int = 1) -> torch.LongTensor:
@@ -204,29 +207,35 @@ def test_old_configs_load_as_dcoco():
         DCOCOConfig(target_layer_ids=[0], corrector_type="tree")
 
 
-def test_training_step_lowers_the_lilicorr_loss(lilicorr_setup):
-    target, drafter = lilicorr_setup
-    student = copy.deepcopy(drafter).attach(target, tune=False)
+def stage_2_losses(target, student: DCOCODrafter, steps: int, lr: float) -> tuple[float, float]:
+    """The stage-2 (corrector) loss on the target's own answers to six prompts, before and after `steps` Adam steps
+    of `student`'s trainable parameters (every step on the same anchors)."""
     ids = target.generate(prompts(6, seed=5), attention_mask=torch.ones(6, PROMPT_LEN, dtype=torch.long),
                           max_new_tokens=24, do_sample=False)
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
     loss_mask[:, PROMPT_LEN:] = True
     states, argmax = target_context(target, student.config.target_layer_ids, ids)
+    optimizer = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=lr)
+
+    def losses():
+        return drafter_loss(student, ids, loss_mask, states, argmax, num_anchors=8,
+                            generator=torch.Generator().manual_seed(0))
+
+    before = float(losses().dcoco)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses().loss.backward()
+        optimizer.step()
+    return before, float(losses().dcoco)
+
+
+def test_training_step_lowers_the_lilicorr_loss(lilicorr_setup):
+    target, drafter = lilicorr_setup
+    student = copy.deepcopy(drafter).attach(target, tune=False)
     student.requires_grad_(False)
     student.corrector.requires_grad_(True)
-    optimizer = torch.optim.Adam(student.corrector.parameters(), lr=3e-3)
-
-    def loss() -> torch.Tensor:
-        return drafter_loss(student, ids, loss_mask, states, argmax, num_anchors=8,
-                            generator=torch.Generator().manual_seed(0)).dcoco
-
-    before = float(loss())
-    for _ in range(15):
-        optimizer.zero_grad()
-        drafter_loss(student, ids, loss_mask, states, argmax, num_anchors=8,
-                     generator=torch.Generator().manual_seed(0)).loss.backward()
-        optimizer.step()
-    assert float(loss()) < 0.8 * before
+    before, after = stage_2_losses(target, student, steps=15, lr=3e-3)
+    assert after < 0.8 * before
 
 
 def test_lilicorr_loss_reads_the_true_predecessor_row_on_the_oracle_prefix():
@@ -263,3 +272,116 @@ def test_awl_option_reaches_the_dflash_loss(lilicorr_setup):
     assert torch.isfinite(awl.loss) and not torch.isclose(awl.loss, decay.loss)
     with pytest.raises(ValueError, match="slot_weighting"):
         drafter_loss(drafter, ids, loss_mask, states, argmax, slot_weighting="flat", **kwargs)
+
+
+def evidence_head(seed: int = 0) -> LiLiCorrCorrector:
+    """A random LiLiCorr head with pair evidence reading m(a, b) and the corpus inputs."""
+    head = LiLiCorrCorrector(32, block_size=5, top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8,
+                             context_bigrams=True, corpus_bigrams=True)
+    randomise(head, seed)
+    return head
+
+
+def pair_facts(rows: int = 2, slots: int = 4, k: int = 4, seed: int = 5):
+    """(seen, corpus): m(anchor, b) [R, K] and m(a, b) [R, S - 1, K, K]; their corpus inputs [..., 2]."""
+    g = torch.Generator().manual_seed(seed)
+    seen = (torch.rand(rows, k, generator=g) < 0.5).float(), (torch.rand(rows, slots - 1, k, k, generator=g) < 0.5).float()
+    corpus = torch.rand(rows, k, 2, generator=g) * 3, torch.rand(rows, slots - 1, k, k, 2, generator=g) * 3
+    return seen, corpus
+
+
+def test_pair_evidence_adds_its_mlp_to_every_score_and_starts_at_zero():
+    head = evidence_head()
+    inputs = lattice(head)
+    seen, corpus = pair_facts()
+    plain = copy.deepcopy(head)
+    plain.evidence = None  # the public head: cosine scores only
+    start0, pairs0 = plain(*inputs)
+    start, pairs = head(*inputs, seen=seen, corpus=corpus)
+    ev, scale = head.evidence, head.logit_scale
+    log_probs = inputs[2]
+
+    def by_hand(score: torch.Tensor, gap: torch.Tensor, m: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        x = ev.inputs.weight @ torch.cat([torch.stack([score / scale, gap, m]), c]) + ev.inputs.bias
+        return (ev.out.weight[0] @ F.silu(x) + ev.out.bias[0]).detach()
+
+    for r in range(2):
+        for b in range(4):
+            gap = log_probs[r, 0, b] - log_probs[r, 0, 0]
+            expected = start0[r, b] + by_hand(start0[r, b], gap, seen[0][r, b], corpus[0][r, b])
+            torch.testing.assert_close(start[r, b], expected, rtol=1e-5, atol=1e-4)
+        for p in range(3):
+            for a in range(4):
+                for b in range(4):
+                    gap = log_probs[r, p + 1, b] - log_probs[r, p + 1, 0]
+                    facts = seen[1][r, p, a, b], corpus[1][r, p, a, b]
+                    expected = pairs0[r, p, a, b] + by_hand(pairs0[r, p, a, b], gap, *facts)
+                    torch.testing.assert_close(pairs[r, p, a, b], expected, rtol=1e-5, atol=1e-4)
+    # Fresh evidence (zero output layer, as the drafter initialises it) scores exactly as the head alone.
+    fresh = LiLiCorrCorrector(32, block_size=5, top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8,
+                              context_bigrams=True, corpus_bigrams=True)
+    fresh.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("evidence.out")},
+                          strict=False)
+    for ours, theirs in zip(fresh(*inputs, seen=seen, corpus=corpus), (start0, pairs0)):
+        assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="pair evidence"):
+        head(*inputs, corpus=corpus)  # m(a, b) not given
+    # Trained evidence gaining the corpus input scores as before until trained.
+    without_corpus = copy.deepcopy(head)
+    without_corpus.evidence = PairEvidence(seen=True, corpus=False)
+    randomise(without_corpus.evidence, seed=2)
+    before = without_corpus(*inputs, seen=seen)
+    without_corpus.add_corpus_input()
+    for ours, theirs in zip(without_corpus(*inputs, seen=seen, corpus=corpus), before):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_evidence_head_drafts_losslessly_and_exports_as_the_plain_head(lilicorr_setup, tmp_path, capsys):
+    target, plain = lilicorr_setup
+    drafter = lilicorr_copy(plain, target, context_bigrams=True)
+    drafter.corrector.load_state_dict(plain.corrector.state_dict(), strict=False)  # the same head, plus evidence
+    randomise(drafter.corrector.evidence, seed=1)
+    ids = prompts(2, seed=6)
+    out = speculative_generate(target, ids, attention_mask=torch.ones_like(ids), drafter=drafter, max_new_tokens=24)
+    expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    assert torch.equal(out.sequences[:, :expected.shape[1]], expected)
+    with torch.no_grad():
+        states, _ = target_context(target, drafter.config.target_layer_ids, ids[:1])
+    from dcoco_hf.candidate_generator import DraftContextCache
+
+    positions = torch.arange(PROMPT_LEN - 1 + drafter.config.block_size)[None]
+    args = (ids[:1, -1], states[:, :-1], positions)
+    with_evidence = drafter.propose(*args, DraftContextCache(), context_ids=ids[:1])
+    without = plain.propose(*args, DraftContextCache())
+    assert not torch.equal(with_evidence.transition_scores, without.transition_scores)  # the evidence really scores
+
+    capsys.readouterr()
+    drafter.save_pretrained(tmp_path / "public", format="lilicorr")
+    assert "pair evidence" in capsys.readouterr().err  # dropped, and said so
+    exported = DCOCODrafter.from_pretrained(tmp_path / "public").eval().attach(target, tune=False)
+    assert exported.corrector.evidence is None and not exported.config.context_bigrams
+    # ... and it drafts as the warning says: as our folder loaded with the evidence off.
+    drafter.save_pretrained(tmp_path / "ours")
+    head_alone = DCOCODrafter.from_pretrained(tmp_path / "ours", context_bigrams=False, corpus_bigrams=None)
+    for other in (exported, head_alone.eval().attach(target, tune=False)):
+        again = other.propose(*args, DraftContextCache())
+        torch.testing.assert_close(again.transition_scores, without.transition_scores)
+        torch.testing.assert_close(again.first_slot_scores, without.first_slot_scores)
+
+
+def test_evidence_only_training_moves_the_evidence_alone(lilicorr_setup):
+    from dcoco_hf.training.trainer import DrafterTrainingModel
+
+    target, plain = lilicorr_setup
+    with pytest.raises(ValueError, match="pair evidence"):
+        DrafterTrainingModel(copy.deepcopy(plain), target, stage=2, evidence_only=True)
+    drafter = lilicorr_copy(plain, target, context_bigrams=True)
+    drafter.corrector.load_state_dict(plain.corrector.state_dict(), strict=False)
+    model = DrafterTrainingModel(drafter, target, stage=2, evidence_only=True)
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert trainable and all(".corrector.evidence." in name for name in trainable)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    first, last = stage_2_losses(target, drafter, steps=10, lr=1e-2)
+    assert last < first
+    changed = {k for k, v in drafter.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("corrector.evidence.") for k in changed)

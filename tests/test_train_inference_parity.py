@@ -23,22 +23,25 @@ from dcoco_hf import CorpusBigrams, speculative_generate
 from dcoco_hf.training import drafter_loss, objective, pack_blocks, target_context
 
 
-@pytest.mark.parametrize("inputs", ["", "context_bigrams", "corpus_bigrams", "lilicorr"])
+@pytest.mark.parametrize("inputs", ["", "context_bigrams", "corpus_bigrams", "lilicorr", "lilicorr_evidence"])
 @pytest.mark.parametrize("path", ["assisted", "batched"])
 def test_drafted_blocks_equal_the_training_forward(fitted, path, inputs, monkeypatch):
     target, fitted_drafter = fitted
     # A corrector that overrules the drafter, scoring the anchor -> slot 1 transitions too (and, with
     # context_bigrams, reading m(a, b), or with corpus_bigrams the counts of the target's answers to other prompts;
-    # or a random LiLiCorr head): its scores must also be the training forward's, and the outputs stay the target's
-    # own. The training side sees the whole output, so its m(a, b) must stop at each block's anchor.
-    bigrams = inputs == "context_bigrams"
+    # or a random LiLiCorr head, alone or with pair evidence reading both): its scores must also be the training
+    # forward's, and the outputs stay the target's own. The training side sees the whole output, so its m(a, b) must
+    # stop at each block's anchor.
+    bigrams = inputs in ("context_bigrams", "lilicorr_evidence")
     answers = corpus = None
-    if inputs == "corpus_bigrams":
+    if inputs in ("corpus_bigrams", "lilicorr_evidence"):
         others = torch.randint(0, target.config.vocab_size, (6, 4), generator=torch.Generator().manual_seed(3))
         answers = target.generate(others, attention_mask=torch.ones_like(others), max_new_tokens=30, do_sample=False)
         corpus = CorpusBigrams.count(_answer_texts(answers), target.config.vocab_size)
-    if inputs == "lilicorr":
-        drafter = lilicorr_copy(fitted_drafter, target)
+    if inputs.startswith("lilicorr"):
+        drafter = lilicorr_copy(fitted_drafter, target, context_bigrams=bigrams)
+        if corpus is not None:
+            drafter.set_corpus_bigrams(corpus)
         randomise(drafter.corrector)
     else:
         drafter = scrambled(fitted_drafter, seed=2, context_bigrams=bigrams, corpus=corpus)
@@ -101,12 +104,8 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, inputs, monkeyp
                          cfg.block_size, cfg.mask_token_id)
     labelled = blocks.label_mask[0]  # [m, S] slots whose true token training knows (the rest are placeholders)
     assert labelled[:, 0].all()  # on the target's own output every block's slot 1 is labelled
-    if "rows" in arguments:  # DCOCO training passes every block, and which ones to score
-        rows = arguments["rows"][0]  # [m]
-        candidates, logits = arguments["candidates"][0][rows], arguments["candidate_logits"][0][rows]  # [R, S, K]
-    else:  # LiLiCorr training passes the blocks it scores only: those whose slot 1 is labelled, here every one
-        rows = labelled[:, 0]
-        candidates, logits = arguments["candidates"], arguments["candidate_logits"]
+    rows = arguments["rows"][0]  # [m] training passes every block, and which ones to score
+    candidates, logits = arguments["candidates"][0][rows], arguments["candidate_logits"][0][rows]  # [R, S, K]
     labelled = labelled[rows]  # [R, S]
     assert 0 < int(rows.sum())
     proposals = [p for _, _, p in drafted]

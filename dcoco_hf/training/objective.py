@@ -122,7 +122,9 @@ def drafter_loss(
         return DrafterLoss(stage1, stage1.detach(), None, accuracy)
     anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]  # [N, m]
     if cfg.corrector_type == "lilicorr":
-        return _lilicorr_stage(drafter, stage1, accuracy, blocks, labelled, block_hidden, anchor_ids, context_states)
+        return _lilicorr_stage(
+            drafter, stage1, accuracy, blocks, labelled, block_hidden, anchor_ids, context_states, input_ids, loss_mask
+        )
 
     top_ids, top_logits, _ = drafter.slot_candidates(logits, column_tokens)  # [L, K], as `propose` takes them
     # Unlabelled slots get placeholder candidates: every pair touching them is unusable, and a pair's score reads
@@ -164,6 +166,8 @@ def _lilicorr_stage(
     block_hidden: torch.Tensor,
     anchor_ids: torch.LongTensor,
     context_states: torch.Tensor,
+    input_ids: torch.LongTensor,
+    loss_mask: torch.BoolTensor,
 ) -> DrafterLoss:
     """Stage 2 with a LiLiCorr head: score each block's whole lattice as `propose` does, then the chain loss.
 
@@ -172,16 +176,20 @@ def _lilicorr_stage(
     """
     cfg = drafter.config
     rows = labelled[..., 0]  # [N, m]
-    hidden = block_hidden[rows]  # [R, B, H]
-    logits, column_tokens = drafter.proposal_logits(hidden[:, 1:])  # [R, S, V']
-    candidates, candidate_logits, log_probs = drafter.slot_candidates(logits, column_tokens)  # [R, S, K]
-    index, found = candidate_index(candidates, blocks.labels[rows], labelled[rows])  # [R, S]
+    logits, column_tokens = drafter.proposal_logits(block_hidden[rows][:, 1:])  # [R, S, V']
+    top = drafter.slot_candidates(logits, column_tokens)  # [R, S, K] ids, logits, log-probs
     # The anchor row is the fused target context just before each block, as drafting reads it (`anchor_rows`).
     sequence, before = rows.nonzero()[:, 0], blocks.anchors[rows] - 1  # [R], [R]
     anchor = drafter.fuse_target_states(context_states[sequence, before.clamp(min=0)])  # [R, H]
+    # Back to one entry per block [N, m, ...] (zeros where unscored): the pair evidence reads each block's sequence.
+    candidates, candidate_logits, log_probs, anchor, anchor_valid = (
+        x.new_zeros(*rows.shape, *x.shape[1:]).index_put((rows,), x) for x in (*top, anchor, before >= 0)
+    )
     start, pairs = drafter.score_candidates(
-        hidden, anchor_ids[rows], candidates, candidate_logits, log_probs, anchor=(anchor, before >= 0)
+        block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=(anchor, anchor_valid),
+        context_ids=input_ids, anchor_positions=blocks.anchors, exclude=(input_ids, loss_mask), rows=rows,
     )  # [R, K], [R, S - 1, K, K]
+    index, found = candidate_index(top[0], blocks.labels[rows], labelled[rows])  # [R, S]
     stage2 = lilicorr_loss(start, pairs, index, found)
     k = cfg.top_k
     pair_index, usable = index[:, :-1] * k + index[:, 1:], found[:, :-1] & found[:, 1:]  # [R, S - 1]

@@ -25,7 +25,9 @@ class DrafterTrainingModel(nn.Module):
     """The drafter (trainable) next to its frozen target. `stage` 1 = DFlash only, 2 = DFlash + DCOCO.
 
     `corrector_only` (stage 2) freezes the backbone and trains the corrector alone: a cheap extra stage for a drafter
-    whose backbone is done, since no gradient then flows through the drafter's layers.
+    whose backbone is done, since no gradient then flows through the drafter's layers. `evidence_only` (stage 2, a
+    LiLiCorr head with pair evidence) trains that evidence alone (`lilicorr.PairEvidence`), so the head's own scores,
+    and its public export, stay exactly as they were.
 
     `block_sizes` trains mixed horizons (DScout: every update draws its block size with equal frequency, and one
     checkpoint then serves each of those sizes about as well as a drafter trained on it alone). Training forwards
@@ -44,7 +46,7 @@ class DrafterTrainingModel(nn.Module):
     def __init__(self, drafter: nn.Module, target: nn.Module, stage: int = 1, num_anchors: int = 16,
                  gamma: float | None = None, rho: float = 4.0, corrector_only: bool = False,
                  block_sizes: Sequence[int] | None = None, pair_loss: str = "joint",
-                 slot_weighting: str = "decay") -> None:
+                 slot_weighting: str = "decay", evidence_only: bool = False) -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: use 1 (DFlash) or 2 (joint DFlash + DCOCO).")
@@ -72,6 +74,13 @@ class DrafterTrainingModel(nn.Module):
         # drafter already trains exactly its adapters, so its flags stay as PEFT set them.
         if not hasattr(drafter, "peft_config"):
             drafter.corrector.requires_grad_(stage == 2)
+        if evidence_only:
+            evidence = getattr(drafter.corrector, "evidence", None)
+            if stage != 2 or evidence is None or hasattr(drafter, "peft_config"):
+                raise ValueError("evidence_only trains a LiLiCorr head's pair evidence: it needs stage=2, a plain "
+                                 "(non-PEFT) drafter and a head that reads context or corpus bigrams.")
+            drafter.requires_grad_(False)
+            evidence.requires_grad_(True)
 
     def forward(self, input_ids, loss_mask, attention_mask=None, context_states=None, target_argmax=None, **_):
         if self.target.device != input_ids.device:
