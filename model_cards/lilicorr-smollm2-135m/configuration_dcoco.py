@@ -47,11 +47,13 @@ class DCOCOConfig(PreTrainedConfig):
         corrector_hidden: hidden width of the transition MLP (3r + 2 -> corrector_hidden -> 1).
         correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
-        context_bigrams: the corrector's MLP also reads whether each candidate pair (a, b) already occurs in the
-            committed text (our extension, dcoco_hf/corrector.py). Needs a corrector trained with it.
-        corpus_bigrams: when set, the corrector's MLP also reads how often each candidate pair was written in the
+        context_bigrams: the corrector also reads whether each candidate pair (a, b) already occurs in the
+            committed text (our extension, dcoco_hf/corrector.py; a LiLiCorr head reads it through its pair evidence,
+            dcoco_hf/lilicorr.py). Needs a corrector trained with it.
+        corpus_bigrams: when set, the corrector also reads how often each candidate pair was written in the
             target's training answers; the value is the number of distinct pairs counted, whose counts are stored
-            with the weights (`CorpusBigrams`, our extension). Needs a corrector trained with it. None: off.
+            with the weights (`CorpusBigrams`, our extension; LiLiCorr: as context_bigrams). Needs a corrector
+            trained with it. None: off.
         draft_vocab_size: when set, the drafter proposes only from this many target tokens (a frequency-ranked
             draft vocabulary, as in FR-Spec; the ids are stored with the weights as `draft_token_ids`). Outputs are
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
@@ -279,11 +281,6 @@ class DCOCOConfig(PreTrainedConfig):
             raise ValueError(f"corrector_type={self.corrector_type!r} is unknown; choose one of {CORRECTOR_TYPES}.")
         if self.corrector_type != "lilicorr":
             return
-        if self.context_bigrams or self.corpus_bigrams:
-            raise ValueError(
-                "context_bigrams / corpus_bigrams are inputs of the DCOCO corrector; a LiLiCorr head does not read "
-                "them. Set both off (False / None) with corrector_type='lilicorr'."
-            )
         if not 2 <= self.block_size <= self.lilicorr_block_size:
             raise ValueError(
                 f"block_size={self.block_size} with lilicorr_block_size={self.lilicorr_block_size}: a LiLiCorr head "

@@ -27,6 +27,15 @@ the drafter's top-1), exactly as DCOCO's zero-initialised output layer does. The
 additive log-prob prior (the log-probs only enter as features), and its freshly initialised factor heads give random
 scores; the gate keeps the public scoring function intact, since logit_scale * gate is just that function's
 `logit_scale`: exporting folds it in, and loading a public checkpoint sets the gate to 1.
+
+Our extension, off unless the config turns on `context_bigrams` or `corpus_bigrams` (the DCOCO corrector's two
+pair inputs, `corrector.py`): `PairEvidence`, a small MLP added to every start and transition score, reads what the
+text says about the pair, m(a, b) (b already followed a in the committed text) and the pair's counts in the target's
+training answers, next to the head's own score and the successor's log-prob gap. The cosine of two vectors computed
+before the pair is known cannot read a pair fact, so it is added after; it is the only new information a block's
+first slot can get (the lattice holds no more than the drafter knew). Its output layer starts at zero, so it changes
+nothing until trained, and training it alone (`train_drafter.py --evidence-only`) leaves the public head as it was:
+the public format has no place for it, and exporting drops it (with a warning), giving back exactly that head.
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from .corrector import CorpusBigrams
+from .logs import logger
 
 PUBLIC_ARCHITECTURE = "LiLiCorrDraftModel"
 PUBLIC_PREFIX = "lilicorr."
@@ -65,7 +76,7 @@ class LiLiCorrAttention(nn.Module):
     """Bidirectional multi-head self-attention over the lattice with an additive bias.
 
     Parameters carry `nn.MultiheadAttention`'s names (`in_proj_weight`, `in_proj_bias`, `out_proj`), the layout the
-    public checkpoints were trained and exported with, but the forward is plain SDPA (same math, scale 1/sqrt(d)).
+    public checkpoints were trained and exported with; the forward is the same math (scale 1/sqrt(d)), written out.
     """
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
@@ -86,7 +97,10 @@ class LiLiCorrAttention(nn.Module):
         rows, length, width = hidden_states.shape
         q, k, v = F.linear(hidden_states, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
         q, k, v = (t.view(rows, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # [R, heads, L, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # [R, heads, L, d]
+        # Written out rather than SDPA: a lattice of S*K <= a few hundred candidates is too small for a fused
+        # kernel to pay, and SDPA's checks and math fallback with a float mask cost more than the product itself.
+        weights = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2)) + bias.to(q.dtype)  # [R, heads, L, L]
+        out = torch.matmul(weights.softmax(-1), v)  # [R, heads, L, d]
         return self.out_proj(out.transpose(1, 2).reshape(rows, length, width))
 
 
@@ -96,14 +110,68 @@ class LiLiCorrLayer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, eps: float) -> None:
         super().__init__()
         width = int(hidden_size * mlp_ratio)
-        self.attn_norm = Qwen3RMSNorm(hidden_size, eps=eps)
+        self.attn_norm = nn.RMSNorm(hidden_size, eps=eps)
         self.attn = LiLiCorrAttention(hidden_size, num_heads)
-        self.mlp_norm = Qwen3RMSNorm(hidden_size, eps=eps)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=eps)
         self.mlp = nn.Sequential(nn.Linear(hidden_size, width), nn.SiLU(), nn.Linear(width, hidden_size))
 
     def forward(self, hidden_states: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), bias)
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+
+class PairEvidence(nn.Module):
+    """An additive score for each candidate pair (a, b) from pair facts the lattice cannot see (module docstring).
+
+    Inputs per pair, in this order: [head score / logit_scale, log p(b) - max log p], then m(a, b) with `seen`, then
+    the two `CorpusBigrams.inputs` with `corpus`; one linear map over all of them (a draft's head cost is mostly its
+    count of small ops, so one matmul rather than one per group), SiLU over `hidden` units, a zero-initialised
+    output. The corpus group can be added to trained evidence (`add_corpus_input`): its columns start at zero.
+    """
+
+    def __init__(self, seen: bool, corpus: bool, hidden: int = 32) -> None:
+        super().__init__()
+        self.reads_seen, self.reads_corpus = seen, False
+        self.inputs = nn.Linear(2 + int(seen), hidden)
+        self.out = _zero_linear(hidden, 1)
+        if corpus:
+            self.add_corpus_input()
+
+    def add_corpus_input(self) -> None:
+        if self.reads_corpus:
+            return
+        old = self.inputs
+        self.inputs = nn.Linear(old.in_features + CorpusBigrams.NUM_INPUTS, old.out_features).to(old.weight)
+        with torch.no_grad():
+            self.inputs.weight.zero_()[:, :old.in_features] = old.weight
+            self.inputs.bias.copy_(old.bias)
+        self.reads_corpus = True
+
+    def forward(
+        self, scores: torch.Tensor, gap: torch.Tensor, seen: torch.Tensor | None, corpus: torch.Tensor | None
+    ) -> torch.Tensor:
+        """scores [...] the head's scores (divided by logit_scale), gap [...] broadcastable to them, seen [...] and
+        corpus [..., 2] of the same pairs (None: not read) -> the evidence score [...]."""
+        if (self.reads_seen and seen is None) or (self.reads_corpus and corpus is None):
+            raise ValueError(
+                "this LiLiCorr head reads pair evidence (config context_bigrams / corpus_bigrams) that was not "
+                "given: pass context_ids to propose(), or load a corpus table with set_corpus_bigrams."
+            )
+        dtype = self.inputs.weight.dtype
+        facts = torch.stack(torch.broadcast_tensors(scores, gap, *([seen] if self.reads_seen else [])), dim=-1)
+        if self.reads_corpus:
+            facts = torch.cat([facts, corpus.to(facts.dtype)], dim=-1)  # [..., inputs]
+        return self.out(F.silu(self.inputs(facts.to(dtype)))).squeeze(-1).float()
+
+
+def _zero_linear(inputs: int, outputs: int) -> nn.Linear:
+    """A linear map that starts at zero, kept at zero by `DCOCOPreTrainedModel._init_weights` (`zero_init`)."""
+    layer = nn.Linear(inputs, outputs, bias=outputs == 1)
+    layer.zero_init = True
+    nn.init.zeros_(layer.weight)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+    return layer
 
 
 class LiLiCorrCorrector(nn.Module):
@@ -119,6 +187,7 @@ class LiLiCorrCorrector(nn.Module):
         vector_eps: floor of the norm when the vectors are normalised.
         logit_scale: the fixed multiplier of the cosines (times `score_gate`, see the module docstring).
         rms_norm_eps: epsilon of the head's RMSNorms.
+        context_bigrams, corpus_bigrams: add `PairEvidence` reading these pair facts (ours; module docstring).
     """
 
     def __init__(
@@ -134,6 +203,8 @@ class LiLiCorrCorrector(nn.Module):
         vector_eps: float = 1e-4,
         logit_scale: float = 10.0,
         rms_norm_eps: float = 1e-6,
+        context_bigrams: bool = False,
+        corpus_bigrams: bool = False,
     ) -> None:
         super().__init__()
         width = hidden_size or model_hidden_size
@@ -150,14 +221,22 @@ class LiLiCorrCorrector(nn.Module):
         self.same_slot_bias = nn.Parameter(torch.zeros(num_heads))
         self.context_proj = nn.Linear(model_hidden_size, width)
         self.layers = nn.ModuleList(LiLiCorrLayer(width, num_heads, mlp_ratio, rms_norm_eps) for _ in range(num_layers))
-        self.output_norm = Qwen3RMSNorm(width, eps=rms_norm_eps)
-        self.anchor_norm = Qwen3RMSNorm(width, eps=rms_norm_eps)
+        self.output_norm = nn.RMSNorm(width, eps=rms_norm_eps)
+        self.anchor_norm = nn.RMSNorm(width, eps=rms_norm_eps)
         self.factor_input_proj = nn.Linear(3 * width, width)
         self.out_head = nn.Linear(width, factor_dim)
         self.in_head = nn.Linear(width, factor_dim)
         self.anchor_out_head = nn.Linear(width, factor_dim)
         # Ours, zero at start: every score 0, so the walk returns the drafter argmax (module docstring).
         self.score_gate = nn.Parameter(torch.zeros(()))
+        self.evidence = PairEvidence(context_bigrams, corpus_bigrams) if context_bigrams or corpus_bigrams else None
+
+    def add_corpus_input(self) -> None:
+        """Read the corpus pair counts too (`DCOCODrafter.set_corpus_bigrams`); zero weights, so nothing changes
+        until trained."""
+        if self.evidence is None:
+            self.evidence = PairEvidence(False, True).to(self.score_gate)
+        self.evidence.add_corpus_input()
 
     @property
     def gate(self) -> torch.Tensor:
@@ -174,7 +253,8 @@ class LiLiCorrCorrector(nn.Module):
         return cls(
             config.hidden_size, config.lilicorr_block_size, config.top_k, config.lilicorr_hidden_size,
             config.lilicorr_num_layers, config.lilicorr_num_heads, config.lilicorr_mlp_ratio, config.lilicorr_factor_dim,
-            config.lilicorr_vector_eps, config.lilicorr_logit_scale, config.rms_norm_eps,
+            config.lilicorr_vector_eps, config.lilicorr_logit_scale, config.rms_norm_eps, config.context_bigrams,
+            bool(config.corpus_bigrams),
         )
 
     def init_weights(self) -> None:
@@ -194,6 +274,8 @@ class LiLiCorrCorrector(nn.Module):
         candidate_log_probs: torch.Tensor,
         anchor_hidden: torch.Tensor,
         anchor_valid: torch.Tensor,
+        seen: tuple[torch.Tensor, torch.Tensor] | None = None,
+        corpus: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score the lattice of R blocks.
 
@@ -203,6 +285,8 @@ class LiLiCorrCorrector(nn.Module):
             candidate_log_probs: [R, S, K] their drafter log-probs (log-softmax over the proposal vocabulary).
             anchor_hidden: [R, H] fused target context of the position before the block (`hidden_norm(fc(.))`).
             anchor_valid: [R] False where that position does not exist (the anchor row is then zero).
+            seen: with `context_bigrams`, m(anchor, b) [R, K] and m(a, b) [R, S - 1, K, K] (`candidate_bigrams`).
+            corpus: with `corpus_bigrams`, their corpus inputs [R, K, 2] and [R, S - 1, K, K, 2].
         Returns:
             start [R, K] (anchor -> slot 1) and pair scores [R, S - 1, K, K]; entry [r, p, a, b] scores candidate b
             at slot p + 1 after candidate a at slot p.
@@ -210,10 +294,16 @@ class LiLiCorrCorrector(nn.Module):
         anchor_out, out_vec, in_vec = self.vectors(
             slot_hidden, candidate_embeds, candidate_log_probs, anchor_hidden, anchor_valid
         )
-        scale = self.logit_scale * self.gate
-        start = torch.einsum("rf,rkf->rk", anchor_out, in_vec[:, 0])  # [R, K]
-        pairs = torch.matmul(out_vec[:, :-1], in_vec[:, 1:].transpose(-1, -2))  # [R, S - 1, K, K] all pairs at once
-        return scale * start.float(), scale * pairs.float()
+        gate = self.gate
+        start = gate * torch.einsum("rf,rkf->rk", anchor_out, in_vec[:, 0]).float()  # [R, K]
+        pairs = gate * torch.matmul(out_vec[:, :-1], in_vec[:, 1:].transpose(-1, -2)).float()  # [R, S - 1, K, K]
+        if self.evidence is not None:
+            gap = candidate_log_probs.float() - candidate_log_probs[..., :1].float()  # [R, S, K]
+            first, rest = (None, None) if seen is None else seen
+            first_corpus, rest_corpus = (None, None) if corpus is None else corpus
+            start = start + self.evidence(start, gap[:, 0], first, first_corpus) / self.logit_scale
+            pairs = pairs + self.evidence(pairs, gap[:, 1:, None, :], rest, rest_corpus) / self.logit_scale
+        return self.logit_scale * start, self.logit_scale * pairs
 
     def vectors(
         self,
@@ -251,11 +341,14 @@ class LiLiCorrCorrector(nn.Module):
         """The five per-candidate features of the public head from log-probs [R, S, K] -> [R, S, K, 5]."""
         log_probs = log_probs.float()
         k = log_probs.shape[-1]
-        rank = torch.arange(k, device=log_probs.device, dtype=log_probs.dtype) / max(k - 1, 1)  # top-1 0, last 1
-        return torch.stack([
-            log_probs, log_probs.exp(), log_probs - log_probs.max(-1, keepdim=True).values,
-            rank.expand_as(log_probs), (rank == 0).to(log_probs.dtype).expand_as(log_probs),
-        ], dim=-1)
+        key = (k, log_probs.device)
+        cached = getattr(self, "_rank_cache", None)
+        if cached is None or cached[0] != key:  # [rank / (K - 1), is top-1] per candidate: top-1 (0, 1), last (1, 0)
+            rank = torch.arange(k, device=log_probs.device, dtype=torch.float32) / max(k - 1, 1)
+            cached = self._rank_cache = (key, torch.stack([rank, (rank == 0).float()], dim=-1))  # [K, 2]
+        gap = log_probs - log_probs[..., :1]  # candidates come best first: the slot's max is candidate 0
+        ranks = cached[1].expand(*log_probs.shape, 2)  # [R, S, K, 2]
+        return torch.cat([torch.stack([log_probs, log_probs.exp(), gap], dim=-1), ranks], dim=-1)
 
     def _attention_bias(self, slots: int, k: int) -> torch.Tensor:
         """Per-head bias by relative slot distance plus a same-slot term -> [heads, S*K, S*K].
@@ -339,12 +432,15 @@ def public_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     """Our drafter state dict -> (the public tensors: DFlash backbone + `lilicorr.*`, the score gate).
 
     Dropped: the gate (folded into logit_scale by `public_config`) and the draft vocabulary, which the public format
-    has no place for (its servers propose from the whole vocabulary).
+    has no place for (its servers propose from the whole vocabulary), and our pair evidence with the corpus counts it
+    reads (`PairEvidence`), which the public servers cannot compute; the caller warns about that (`save_public`).
     """
     tensors, gate = {}, None
     for name, tensor in state.items():
         if name == "corrector.score_gate":
             gate = GATE_RATE * float(tensor)
+        elif name.startswith("corrector.evidence."):
+            continue
         elif name.startswith("corrector."):
             tensors[PUBLIC_PREFIX + name[len("corrector."):]] = tensor.detach().contiguous()
         elif name.startswith(("fc.", "hidden_norm.", "layers.", "norm.")):
@@ -359,6 +455,12 @@ def save_public(drafter: nn.Module, folder: str | Path) -> None:
     from safetensors.torch import save_file
 
     folder = Path(folder)
+    if getattr(drafter.corrector, "evidence", None) is not None:
+        logger.warning(
+            f"{folder}: the public LiLiCorr format has no place for this head's pair evidence (context / corpus "
+            "bigrams), so the exported head scores without it: it drafts as this drafter loaded with "
+            "context_bigrams=False, corpus_bigrams=None."
+        )
     folder.mkdir(parents=True, exist_ok=True)
     tensors, gate = public_state_dict(drafter.state_dict())
     config = public_config(drafter.config, gate)

@@ -146,6 +146,14 @@ def _additive_mask(mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) ->
 
 
 @dataclass
+class DraftOutput(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus `context_states` [B, N, H], the new context rows as every layer read them
+    (`fuse_target_states`), so LiLiCorr's anchor row is taken from them instead of fusing the row again."""
+
+    context_states: torch.Tensor | None = None
+
+
+@dataclass
 class DraftProposal:
     """One drafted block, after correction.
 
@@ -417,7 +425,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         cache: Any | None = None,
         **kwargs: Any,
-    ) -> BaseModelOutputWithPast:
+    ) -> DraftOutput:
         """One DFlash backbone pass (also the interface of transformers' `speculation_type="dflash"` path).
 
         Args:
@@ -427,7 +435,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             attention_mask: None (all visible), a key mask [B, cached + N + Q] or a full mask [B, 1, Q, keys].
             cache: keys/values of earlier context rows (`DraftContextCache` or a transformers DFlash cache).
         Returns:
-            `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head.
+            `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head, and `context_states`
+            [B, N, H], the fused context rows.
         """
         context = self.fuse_target_states(context_hidden_states)
         hidden = noise_embeds.to(self.fc.weight.dtype)
@@ -435,7 +444,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         mask = _additive_mask(attention_mask, hidden.shape[1], hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, context, position_embeddings, mask, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+        return DraftOutput(last_hidden_state=self.norm(hidden), context_states=context)
 
     def fuse_target_states(self, target_states: torch.Tensor) -> torch.Tensor:
         """The drafter's context rows: target states [..., n_layers * H] -> `hidden_norm(fc(.))` [..., H] (the keys /
@@ -575,7 +584,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if correct and (lilicorr or cfg.block_size > 2 or cfg.correct_first_slot):
             first_scores, scores = self.score_candidates(
                 block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
-                anchor=self.anchor_rows(context_hidden_states, position_ids) if lilicorr else None,
+                anchor=self.anchor_rows(out.context_states, position_ids) if lilicorr else None,
                 context_ids=context_ids, context_valid=context_valid,
             )  # [B, K] or None, [B, S - 1, K, K]
             # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
@@ -631,17 +640,19 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         def scored(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
             return [x if x is None or rows is None else x[rows] for x in tensors]
 
-        if self.config.corrector_type == "lilicorr":
-            block_hidden, candidates, candidate_log_probs, *anchor = scored(
-                block_hidden, candidates, candidate_log_probs, *anchor
-            )
-            return self.corrector(block_hidden[..., 1:, :], self.embed(candidates), candidate_log_probs, *anchor)
         seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid, anchor_positions)
         corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates, exclude)
         # The pair inputs read the whole text of each block's sequence, so they come before choosing the rows.
         block_hidden, anchor_ids, candidates, candidate_logits, seen, first_seen, corpus, first_corpus = scored(
             block_hidden, anchor_ids, candidates, candidate_logits, seen, first_seen, corpus, first_corpus
         )
+        if self.config.corrector_type == "lilicorr":
+            candidate_log_probs, *anchor = scored(candidate_log_probs, *anchor)
+            return self.corrector(
+                block_hidden[..., 1:, :], self.embed(candidates), candidate_log_probs, *anchor,
+                seen=None if seen is None else (first_seen, seen),
+                corpus=None if corpus is None else (first_corpus, corpus),
+            )
         slot_hidden = block_hidden[..., 1:, :]  # [R, S, H]
         candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [R, S, K, H]
         scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [R, S - 1, K, K]
@@ -652,22 +663,22 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         ), scores
 
     def anchor_rows(
-        self, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor
+        self, context_states: torch.Tensor, position_ids: torch.LongTensor
     ) -> tuple[torch.Tensor, torch.BoolTensor]:
         """The LiLiCorr anchor of each row: the fused target context (`hidden_norm(fc(.))`) of the position just
-        before the block, the newest committed row, as in the public head. context_hidden_states [B, N, n_layers * H],
-        position_ids [B, N + block] -> ([B, H], valid [B]); not valid (zero) where that row is not among the new
-        context rows (padding and rows past a row's accepted tokens have other positions)."""
-        n = context_hidden_states.shape[1]
-        batch = context_hidden_states.shape[0]
+        before the block, the newest committed row, as in the public head. context_states [B, N, H] the forward's
+        fused rows (`DraftOutput.context_states`), position_ids [B, N + block] -> ([B, H], valid [B]); not valid
+        (zero) where that row is not among the new context rows (padding and rows past a row's accepted tokens have
+        other positions)."""
+        n = context_states.shape[1]
+        batch = context_states.shape[0]
         positions = position_ids.expand(batch, -1)
         match = positions[:, :n] == positions[:, n:n + 1] - 1  # [B, N]
         valid = match.any(1)  # [B]
         last = n - 1 - match.flip(1).long().argmax(1) if n else torch.zeros_like(valid, dtype=torch.long)  # [B]
         if n == 0:
-            return context_hidden_states.new_zeros(batch, self.config.hidden_size), valid
-        rows = context_hidden_states[torch.arange(batch, device=last.device), last]  # [B, n_layers * H]
-        return self.fuse_target_states(rows), valid
+            return context_states.new_zeros(batch, self.config.hidden_size), valid
+        return context_states[torch.arange(batch, device=last.device), last], valid  # [B, H]
 
     def first_slot_scores(
         self,
@@ -690,6 +701,12 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             first_candidate_embeds.to(dtype), candidate_logits[:, 0], seen, corpus,
         )
 
+    @property
+    def scores_first_slot(self) -> bool:
+        """Whether the corrector scores the anchor -> slot 1 transitions: LiLiCorr's start scores always, DCOCO's
+        with `correct_first_slot`."""
+        return self.config.corrector_type == "lilicorr" or self.config.correct_first_slot
+
     def candidate_bigrams(
         self,
         anchor_ids: torch.LongTensor,
@@ -698,7 +715,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         context_valid: torch.BoolTensor | None = None,
         anchor_positions: torch.LongTensor | None = None,
     ) -> tuple[torch.BoolTensor | None, torch.BoolTensor | None]:
-        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and, with `correct_first_slot`, of every anchor
+        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and, when `scores_first_slot`, of every anchor
         -> slot 1 transition [B, ..., K] (else None), as drafting and training both compute them; (None, None)
         without `context_bigrams`.
 
@@ -714,12 +731,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "tokens as context_ids to propose()."
             )
         bigrams, ends = ContextBigrams(context_ids, self.config.vocab_size, context_valid), anchor_positions
+        lattice = self._with_anchor_slot(anchor_ids, candidates)
         pairs = bigrams.seen(
-            candidates[..., :-1, :, None], candidates[..., 1:, None, :], None if ends is None else ends[..., None, None, None]
+            lattice[..., :-1, :, None], lattice[..., 1:, None, :], None if ends is None else ends[..., None, None, None]
         )
-        if not self.config.correct_first_slot:
-            return pairs, None
-        return pairs, bigrams.seen(anchor_ids[..., None], candidates[..., 0, :], None if ends is None else ends[..., None])
+        return self._split_anchor_pairs(pairs)
 
     def candidate_corpus_inputs(
         self,
@@ -727,7 +743,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         candidates: torch.LongTensor,
         exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The corpus inputs of every slot-pair transition [B, ..., S - 1, K, K, 2] and, with `correct_first_slot`,
+        """The corpus inputs of every slot-pair transition [B, ..., S - 1, K, K, 2] and, when `scores_first_slot`,
         of every anchor -> slot 1 transition [B, ..., K, 2] (else None), as drafting and training both compute them;
         (None, None) without `corpus_bigrams`. anchor_ids [B, ...], candidates [B, ..., S, K]; exclude, in training,
         the records' (input_ids [B, T], loss_mask [B, T]), whose own pairs leave the counts (leave-one-out).
@@ -735,11 +751,30 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         if self.corpus_bigrams is None:
             return None, None
         table = self.corpus_bigrams
-        own = None if exclude is None else table.own_counts(*exclude)  # once for the pairs and the first slot
-        pairs = table.inputs(candidates[..., :-1, :, None], candidates[..., 1:, None, :], own)
-        if not self.config.correct_first_slot:
+        own = None if exclude is None else table.own_counts(*exclude)
+        lattice = self._with_anchor_slot(anchor_ids, candidates)
+        return self._split_anchor_pairs(
+            table.inputs(lattice[..., :-1, :, None], lattice[..., 1:, None, :], own), features=1
+        )
+
+    def _with_anchor_slot(self, anchor_ids: torch.LongTensor, candidates: torch.LongTensor) -> torch.LongTensor:
+        """candidates [..., S, K], with the anchor as a slot 0 of K equal candidates in front when the first slot is
+        scored, so one lookup serves the anchor -> slot 1 pairs and the slot pairs (half the small ops per draft)."""
+        if not self.scores_first_slot:
+            return candidates
+        anchor = anchor_ids[..., None, None].expand(*candidates.shape[:-2], 1, candidates.shape[-1])  # [..., 1, K]
+        return torch.cat([anchor, candidates], dim=-2)  # [..., S + 1, K]
+
+    def _split_anchor_pairs(
+        self, pairs: torch.Tensor, features: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pair inputs over `_with_anchor_slot`'s lattice [..., P, K, K] (+ `features` trailing dims) -> (the slot
+        pairs [..., S - 1, K, K], the anchor -> slot 1 pairs [..., K] or None), each with those trailing dims."""
+        if not self.scores_first_slot:
             return pairs, None
-        return pairs, table.inputs(anchor_ids[..., None], candidates[..., 0, :], own)
+        tail = (slice(None),) * features
+        every = slice(None)
+        return pairs[(..., slice(1, None), every, every, *tail)], pairs[(..., 0, 0, every, *tail)]
 
     # ------------------------------------------------------------------ transformers assisted generation
 
