@@ -7,6 +7,8 @@ drafter trained on its frozen backbone) and runs, for each prompt, in an order r
 * dflash@B:  the DCOCO drafter with its corrector off (plain DFlash argmax blocks, our engine);
 * dcoco@B:   the DCOCO drafter;
 * lilicorr@B: the LiLiCorr drafter;
+* lilicorr-plain@B: the same LiLiCorr drafter with its pair evidence off (loaded with context_bigrams=False,
+  corpus_bigrams=None), the head alone, as the public format exports it; only when the drafter has evidence;
 * dflash-LABEL@B: with `--backbone LABEL=FOLDER`, another backbone with its corrector off (DScout's AWL, its control),
 
 all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanilla on the same prompts), the head's
@@ -100,34 +102,38 @@ def main() -> None:
     target, tokenizer, target_name = load_target(args.target, device, torch.float32, "sdpa")  # fp32: token-exact
     dcoco = load_drafter(args.dcoco_drafter, target.device, target.dtype, "sdpa")
     lilicorr = load_drafter(args.lilicorr_drafter, target.device, target.dtype, "sdpa")
-    backbones = {}
+    extra = {}  # runner label -> more drafters: the LiLiCorr head alone, --backbone folders
     for given in args.backbone:
         label, sep, folder = given.partition("=")
-        if not sep or not label or not folder or label in ("dcoco", "lilicorr"):
+        if not sep or not label or not folder or label in ("dcoco", "lilicorr", "lilicorr-plain"):
             raise SystemExit(f"--backbone {given}: give LABEL=FOLDER with a new label (awl=runs/awl-backbone/final)")
-        backbones[label] = load_drafter(folder, target.device, target.dtype, "sdpa")
+        extra[label] = load_drafter(folder, target.device, target.dtype, "sdpa")
     if lilicorr.config.corrector_type != "lilicorr":
         raise SystemExit(f"--lilicorr-drafter {args.lilicorr_drafter}: its corrector_type is "
                          f"{lilicorr.config.corrector_type!r}, not 'lilicorr'")
+    if lilicorr.corrector.evidence is not None:  # the head alone, next to it
+        extra["lilicorr-plain"] = load_drafter(args.lilicorr_drafter, target.device, target.dtype, "sdpa",
+                                               context_bigrams=False, corpus_bigrams=None)
     # The CLI's CPU speed-ups, with the layouts it measured on this machine (`~/.cache/dcoco-hf/tuning`) given
     # explicitly: measuring them again under a loaded machine takes minutes and could differ between two drafters.
-    for drafter in (dcoco, lilicorr, *backbones.values()):
+    for drafter in (dcoco, lilicorr, *extra.values()):
         drafter.attach(target, tune=False)
         set_block_size(drafter, args.block_size)
     if device.type == "cpu":
         target.set_attn_implementation("sdpa_cpu_gqa")
         if not args.plain_linear:
             use_few_rows_linear(target, max_rows=6, layout=TARGET_LAYOUT)
-            for drafter in (dcoco, lilicorr, *backbones.values()):
+            for drafter in (dcoco, lilicorr, *extra.values()):
                 use_few_rows_linear(drafter, max_rows=6, layout="transposed")
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, warmup=args.warmup)
     b = args.block_size
     # (label, runner, the runner's method) per method; labels are what the report calls them.
     runners = {"dcoco": MethodRunner(target, dcoco, settings), "lilicorr": MethodRunner(target, lilicorr, settings),
-               **{label: MethodRunner(target, drafter, settings) for label, drafter in backbones.items()}}
+               **{label: MethodRunner(target, drafter, settings) for label, drafter in extra.items()}}
     plan = [("vanilla", "dcoco", "vanilla"), (f"dflash@{b}", "dcoco", f"dflash@{b}"),
             (f"dcoco@{b}", "dcoco", f"dcoco@{b}"), (f"lilicorr@{b}", "lilicorr", f"dcoco@{b}")]
-    plan += [(f"dflash-{label}@{b}", label, f"dflash@{b}") for label in backbones]
+    plan += [(f"lilicorr-plain@{b}", "lilicorr-plain", f"dcoco@{b}")] if "lilicorr-plain" in extra else []
+    plan += [(f"dflash-{label}@{b}", label, f"dflash@{b}") for label in extra if label != "lilicorr-plain"]
     if args.methods:
         wanted = {"vanilla", *args.methods.split(",")}
         unknown = wanted - {label for label, _, _ in plan}
