@@ -1,15 +1,17 @@
 """Batched throughput and the corrector's share of a cycle on a full-size random-weight target (GPU).
 
 Builds a Qwen3-8B-shaped target (bf16, random weights, sdpa) directly on the GPU and a matching untrained drafter
-(`DCOCODrafter.from_target`, 5 layers, block 16, top-K 16), then for each batch size runs plain batched generate(),
-batched DFlash (corrector off) and batched DCOCO on the same left-padded random prompts and prints a table: aggregate
-output tokens/s, ratios, tau, mean cycle time, and the drafter's and corrector's shares of a cycle.
+(`DCOCODrafter.from_target`, 5 layers, block 16, top-K 16) with the chosen corrector (`--corrector`: DCOCO, the
+public LiLiCorr head, or that head with our pair evidence), then for each batch size runs plain batched generate(),
+batched DFlash (corrector off) and the batched corrected drafter on the same left-padded random prompts and prints a
+table: aggregate output tokens/s, ratios, tau, mean cycle time, and the drafter's and corrector's shares of a cycle.
 
 Random weights accept almost no drafts (tau ~ 1), so the speed ratios here measure the machinery's overhead per
 cycle, not a trained drafter's speedup; the corrector's share of a cycle is the number that transfers. Runs in well
 under 5 minutes on one H200. `--tiny` runs a small fp32 model on CPU (smoke check).
 
-    python scripts/gpu_batched_bench.py [--batch-sizes 1,2,4,8,16,32] [--max-new-tokens 64] [--tiny]
+    python scripts/gpu_batched_bench.py [--corrector dcoco|lilicorr|lilicorr-evidence] [--batch-sizes 1,2,4,8,16,32]
+        [--max-new-tokens 64] [--tiny]
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ TINY = dict(
 )
 
 
-def build(tiny: bool) -> tuple[Qwen3ForCausalLM, DCOCODrafter]:
+# The corrector under test -> its drafter config fields. "lilicorr-evidence" adds the pair evidence on m(a, b) only:
+# the corpus counts need a table built for the target's vocabulary, which a random-weight target has no data for.
+CORRECTORS = {
+    "dcoco": {},
+    "lilicorr": {"corrector_type": "lilicorr"},
+    "lilicorr-evidence": {"corrector_type": "lilicorr", "context_bigrams": True},
+}
+
+
+def build(tiny: bool, corrector: str) -> tuple[Qwen3ForCausalLM, DCOCODrafter]:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = Qwen3Config(**(TINY if tiny else QWEN3_8B), attn_implementation="sdpa",
@@ -44,7 +55,8 @@ def build(tiny: bool) -> tuple[Qwen3ForCausalLM, DCOCODrafter]:
     try:
         with device:
             target = Qwen3ForCausalLM(config).eval().requires_grad_(False)
-            drafter = DCOCODrafter.from_target(target, num_hidden_layers=1 if tiny else 5, block_size=16, top_k=16)
+            drafter = DCOCODrafter.from_target(target, num_hidden_layers=1 if tiny else 5, block_size=16, top_k=16,
+                                               **CORRECTORS[corrector])
     finally:
         torch.set_default_dtype(saved)
     return target, drafter.eval().requires_grad_(False)
@@ -71,16 +83,19 @@ def timed(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small fp32 model on CPU (smoke check)")
+    parser.add_argument("--corrector", choices=sorted(CORRECTORS), default="dcoco")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     args = parser.parse_args()
     batch_sizes = [int(s) for s in args.batch_sizes.split(",")]
 
-    (target, drafter), build_s = timed(lambda: build(args.tiny))
+    (target, drafter), build_s = timed(lambda: build(args.tiny, args.corrector))
     params = sum(p.numel() for p in target.parameters()) / 1e9
+    head = sum(p.numel() for p in drafter.corrector.parameters()) / 1e6
     print(f"target {params * 1e3:.1f}M params ({target.dtype}, {target.device}), drafter "
-          f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.0f}M, built in {build_s:.1f}s")
+          f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.0f}M ({args.corrector} head {head:.2f}M), "
+          f"built in {build_s:.1f}s")
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
     warm_ids, warm_mask = prompts(2, target.config.vocab_size, 16, target.device)
     for correct in (False, True):  # warm-up: allocator, kernels
@@ -88,28 +103,30 @@ def main() -> None:
                              max_new_tokens=8, do_sample=False, pad_token_id=0)
     target.generate(warm_ids, attention_mask=warm_mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
 
-    header = (f"{'batch':>5} {'vanilla tok/s':>13} {'dflash tok/s':>12} {'dcoco tok/s':>11} {'dcoco/van':>9} "
-              f"{'dcoco/dflash':>12} {'tau':>5} {'cycle ms':>8} {'drafter share':>13} {'corrector share':>15}")
+    name = args.corrector
+    w = len(name) + 7  # column width of the corrected drafter's three columns
+    header = (f"{'batch':>5} {'vanilla tok/s':>13} {'dflash tok/s':>12} {name + ' tok/s':>{w}} {name + '/van':>{w}} "
+              f"{name + '/dflash':>{w}} {'tau':>5} {'cycle ms':>8} {'drafter share':>13} {'corrector share':>15}")
     print(header)
     for batch in batch_sizes:
         ids, mask = prompts(batch, target.config.vocab_size, args.prompt_len, target.device)
         plain, plain_s = timed(lambda: target.generate(ids, attention_mask=mask, **common))
-        speeds, dcoco = {}, None
-        for name, correct in (("dflash", False), ("dcoco", True)):
+        speeds, corrected = {}, None
+        for method, correct in (("dflash", False), (name, True)):
             out, seconds = timed(lambda: speculative_generate(target, ids, attention_mask=mask, drafter=drafter,
                                                               correct=correct, **common))
-            speeds[name] = out.sequences[:, ids.shape[1] :].numel() / seconds
+            speeds[method] = out.sequences[:, ids.shape[1] :].numel() / seconds
             if correct:
-                dcoco, dcoco_s = out, seconds
+                corrected, corrected_s = out, seconds
             assert out.sequences.shape == plain.shape
         vanilla = plain[:, ids.shape[1] :].numel() / plain_s
-        longest = max(dcoco.stats, key=lambda s: s.cycles)  # lived through every cycle: its times are the batch's
-        cycle_s = dcoco_s / max(longest.cycles, 1)
-        tau = sum(s.committed_tokens for s in dcoco.stats) / sum(s.target_forwards for s in dcoco.stats)
-        print(f"{batch:>5} {vanilla:>13.1f} {speeds['dflash']:>12.1f} {speeds['dcoco']:>11.1f} "
-              f"{speeds['dcoco'] / vanilla:>8.2f}x {speeds['dcoco'] / speeds['dflash']:>11.2f}x {tau:>5.2f} "
-              f"{cycle_s * 1e3:>8.1f} {(longest.drafter_seconds + longest.corrector_seconds) / dcoco_s:>13.1%} "
-              f"{longest.corrector_seconds / dcoco_s:>15.1%}", flush=True)
+        longest = max(corrected.stats, key=lambda s: s.cycles)  # lived through every cycle: its times are the batch's
+        cycle_s = corrected_s / max(longest.cycles, 1)
+        tau = sum(s.committed_tokens for s in corrected.stats) / sum(s.target_forwards for s in corrected.stats)
+        print(f"{batch:>5} {vanilla:>13.1f} {speeds['dflash']:>12.1f} {speeds[name]:>{w}.1f} "
+              f"{speeds[name] / vanilla:>{w - 1}.2f}x {speeds[name] / speeds['dflash']:>{w - 1}.2f}x {tau:>5.2f} "
+              f"{cycle_s * 1e3:>8.1f} {(longest.drafter_seconds + longest.corrector_seconds) / corrected_s:>13.1%} "
+              f"{longest.corrector_seconds / corrected_s:>15.1%}", flush=True)
 
 
 if __name__ == "__main__":
