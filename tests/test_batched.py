@@ -369,19 +369,24 @@ def test_bench_batch_smoke(fitted, tmp_path):
     json.dumps(report)
 
 
-def test_gpu_bench_script_tiny():
-    """scripts/gpu_batched_bench.py --tiny runs on CPU and prints its table."""
+@pytest.mark.parametrize("corrector", ["dcoco", "lilicorr-evidence"])
+def test_gpu_bench_script_tiny(corrector):
+    """scripts/gpu_batched_bench.py --tiny runs on CPU and prints one row per batch size for the chosen corrector."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_batched_bench.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--tiny", "--batch-sizes", "1,2", "--max-new-tokens", "8"],
+        [sys.executable, str(script), "--tiny", "--corrector", corrector, "--batch-sizes", "1,2",
+         "--max-new-tokens", "8"],
         capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "corrector share" in result.stdout
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "corrector share" in line)
+    assert f"{corrector} tok/s" in lines[header] and f"{corrector} head" in lines[0]
+    assert [line.split()[0] for line in lines[header + 1:]] == ["1", "2"]
 
 
 def test_bench_batch_cli(fitted, arch, tmp_path):
