@@ -403,6 +403,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         "topk_ceiling_tau": None,
         "walk_ceiling_tau": None,
         "corrector_share": None,
+        "cycle_share": None,
         "drafter_seconds": None,
         "corrector_seconds": None,
         "equal_to_vanilla": None if any(e is None for e in equal) else sum(equal) / len(equal),
@@ -415,6 +416,9 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
             {key: totals[key] for key in (
                 "coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau")},
             corrector_share=merged.corrector_seconds / seconds if seconds > 0 else None,
+            # the same share of the cycles alone: the prompt's prefill, paid once per call, left out
+            cycle_share=merged.corrector_seconds / (seconds - merged.prefill_seconds) if seconds > 0 else None,
+            prefill_seconds=merged.prefill_seconds,
             drafter_seconds=merged.drafter_seconds,
             corrector_seconds=merged.corrector_seconds,
             top_k=merged.top_k,

@@ -238,6 +238,8 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     logits, states = _target_forward(
         target, tap, input_ids, masks(mask, cache), positions, cache, stats, row_ids, keep=1
     )
+    for row in row_ids:
+        stats[row].prefill_seconds = stats[row].target_seconds  # the prompts' forward, every row's
     anchor = picker.at(input_ids, torch.full((batch,), prompt_len, device=device), rows)(logits)[:, 0]  # [B]
     anchor_pos = mask.sum(1)  # [B] the anchor's index in the unpadded sequence
     done, new = _commit(out, written, prompt_len, anchor[:, None], torch.ones_like(anchor), max_new, eos, pad, rows)

@@ -12,10 +12,11 @@ drafter trained on its frozen backbone) and runs, for each prompt, in an order r
 * dflash-LABEL@B: with `--backbone LABEL=FOLDER`, another backbone with its corrector off (DScout's AWL, its control),
 
 all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanilla on the same prompts), the head's
-share of the time and equality with plain greedy are measured exactly as `dcoco-hf bench` measures them. fp32, with
-the CLI's CPU speed-ups (the "sdpa_cpu_gqa" attention and few-rows linear layouts, given as measured on our machine).
+share of the time and equality with plain greedy are measured exactly as `dcoco-hf bench` measures them; the head's
+share is given of the cycles (draft, head, verification: the run's time less its prompt's prefill) and of all time.
+fp32, with the CLI's CPU speed-ups (the "sdpa_cpu_gqa" attention and few-rows linear layouts, as measured here).
 
-    python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 40 --max-new-tokens 96 \
+    python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 40 --max-new-tokens 64 \
         --backbone awl=runs/awl-backbone/final --backbone decay=runs/decay-backbone/final \
         --json docs/bench_lilicorr.json
     python scripts/bench_lilicorr.py --render docs/bench_lilicorr.json --write docs/lilicorr.md   # its table
@@ -203,7 +204,7 @@ def markdown_table(report: dict, source: str) -> str:
     lines = [
         f"`python scripts/bench_lilicorr.py --render {source}`, of the run `python {report['config']['command']}`:",
         "",
-        "| prompts | method | tau | tau / DFlash | speedup over greedy | head share of time | chain accept "
+        "| prompts | method | tau | tau / DFlash | speedup over greedy | head share (cycles / all) | chain accept "
         "(slots 1-3) | output == greedy |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -214,7 +215,7 @@ def markdown_table(report: dict, source: str) -> str:
                 if not m["prompts"]:
                     continue
                 chain = " / ".join(f"{rate:.2f}" for rate in m["chain_accept"][:3] if rate is not None) or "-"
-                share = "-" if m["corrector_share"] is None else f"{100 * m['corrector_share']:.1f}%"
+                share = " / ".join(percent(m.get(key)) for key in ("cycle_share", "corrector_share"))
                 ratio = "-" if label == "vanilla" else f"{m['tau'] / methods[dflash]['tau']:.3f}"
                 equal = round(m["equal_to_vanilla"] * m["prompts"])
                 lines.append(
@@ -222,6 +223,10 @@ def markdown_table(report: dict, source: str) -> str:
                     f"{m['speedup']:.2f}x | {share} | {chain} | {equal}/{m['prompts']} |"
                 )
     return "\n".join(lines)
+
+
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def write_between_markers(doc: Path, table: str, source: str) -> None:

@@ -134,6 +134,10 @@ def test_bench_greedy_is_exact_and_stats_are_sane(bench_run):
         assert 1 <= summary["argmax_prefix_tau"] <= summary["walk_ceiling_tau"] <= summary["topk_ceiling_tau"] <= 8
         # dflash is the same engine with the corrector off: it runs no corrector at all
         assert summary["corrector_share"] == 0 if name == "dflash" else 0 < summary["corrector_share"] < 1
+        # the cycles' share leaves each call's prefill out of the time: larger, by exactly that ratio
+        decoding = summary["seconds"] - summary["prefill_seconds"]
+        assert 0 < summary["prefill_seconds"] < summary["seconds"]
+        assert summary["cycle_share"] == pytest.approx(summary["corrector_share"] * summary["seconds"] / decoding)
     for name in ("vanilla", "prompt_lookup", "dflash-hf"):
         assert methods[name]["coverage_top1"] is None and methods[name]["corrector_share"] is None
 

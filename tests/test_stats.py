@@ -64,3 +64,23 @@ def test_one_statistics_type_is_filled_by_the_engines_and_the_bench():
         assert module.DCOCOStats is stats.DCOCOStats
     assert "observe_draft" in inspect.getsource(bench.ForwardTrace.acceptance)
     assert not hasattr(bench, "Acceptance")
+
+
+def test_both_engines_book_the_prompts_forward_apart_from_the_cycles():
+    """prefill_seconds is the time of the forward over the prompt (the only one starting at position 0), inside
+    target_seconds; the bench's cycle share leaves it out."""
+    from conftest import make_target
+
+    from dcoco_hf import DCOCODrafter, speculative_generate
+
+    target = make_target("llama")
+    drafter = DCOCODrafter.from_target(target, block_size=4, top_k=4).eval()
+    ids = torch.randint(1, target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    assisted = drafter.generation_stats(target.generate(ids, assistant_model=drafter, max_new_tokens=12,
+                                                        do_sample=False))
+    batched = speculative_generate(target, ids, drafter=drafter, max_new_tokens=12, do_sample=False,
+                                   pad_token_id=0).stats[0]
+    for stats in (assisted, batched):
+        assert stats.target_forwards > 1
+        assert 0 < stats.prefill_seconds < stats.target_seconds
+        assert stats.as_dict()["prefill_seconds"] == stats.prefill_seconds

@@ -18,7 +18,7 @@ probability q_target(y) and resamples from q_target restricted to v != y, which 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -30,6 +30,15 @@ from transformers.generation.stopping_criteria import (
 
 from .context_cache import DraftContextCache
 from .stats import DCOCOStats
+
+class TapCounters(NamedTuple):
+    """What the tap counted of one call's target forwards."""
+
+    forwards: int
+    seconds: float
+    starts: list[int]  # first position of each forward
+    prefill_seconds: float  # of the prompt's forward
+
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter, DraftProposal
@@ -69,7 +78,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._closed_sequence: torch.LongTensor | None = None
         self._last_committed: torch.LongTensor | None = None
         self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
-        self._ended: tuple[int, float, list[int]] | None = None  # the tap's counters when the call ended
+        self._ended: TapCounters | None = None  # the tap's counters when the call ended
         # Phase times on a GPU need a device sync per phase, which stalls it: only when asked (the bench asks).
         self.timed = drafter.time_phases
         self.tap.listen(self, timed=self.timed)
@@ -109,7 +118,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
     def end_call(self) -> None:
         """The generate() call is over (returned or raised): stop recording the target, keep the statistics."""
         if self._ended is None and self.tap.owner is self:
-            self._ended = (self.tap.forward_count, self.tap.seconds, list(self.tap.forward_starts))
+            self._ended = self._tap_counters()
         self.tap.stop(self)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
@@ -133,14 +142,17 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._finish_cycle(sequences[0])
         self._book_coverage(sequences[0])
         self._closed_sequence = sequences[0].clone()
-        self.stats.target_forwards, self.stats.target_seconds, _ = self._tap_counters()
+        counters = self._tap_counters()
+        self.stats.target_forwards, self.stats.target_seconds = counters.forwards, counters.seconds
+        self.stats.prefill_seconds = counters.prefill_seconds
         self.end_call()
 
-    def _tap_counters(self) -> tuple[int, float, list[int]]:
-        """(forwards, seconds, first position of each forward) of this call's target forwards so far."""
+    def _tap_counters(self) -> TapCounters:
+        """The tap's counters of this call's target forwards so far (frozen when the call ended)."""
         if self._ended is not None:
             return self._ended
-        return self.tap.forward_count, self.tap.seconds, self.tap.forward_starts
+        tap = self.tap
+        return TapCounters(tap.forward_count, tap.seconds, list(tap.forward_starts), tap.prefill_seconds)
 
     # ------------------------------------------------------------------ internals
 
@@ -173,7 +185,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             return
         length, drafted, forwards_before, proposal = self._pending_cycle
         self._pending_cycle = None
-        forward_count = self._tap_counters()[0]
+        forward_count = self._tap_counters().forwards
         if forward_count == forwards_before:
             raise RuntimeError(
                 "The drafter's target ran no forward since the last draft: generate() was called on a different "
@@ -188,7 +200,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._slot_candidates.append((length, proposal.candidates[0]))
 
     def _check_same_call(self, sequence: torch.LongTensor) -> None:
-        forward_count, _, forward_starts = self._tap_counters()
+        forward_count, _, forward_starts, _ = self._tap_counters()
         length, _, forwards_before, _ = self._pending_cycle or (0, 0, forward_count, None)
         last = self._last_committed
         later_starts = forward_starts[forwards_before:]

@@ -294,16 +294,18 @@ class LiLiCorrCorrector(nn.Module):
         anchor_out, out_vec, in_vec = self.vectors(
             slot_hidden, candidate_embeds, candidate_log_probs, anchor_hidden, anchor_valid
         )
-        gate = self.gate
+        gate, scale = self.gate, self.logit_scale
         start = gate * torch.einsum("rf,rkf->rk", anchor_out, in_vec[:, 0]).float()  # [R, K]
         pairs = gate * torch.matmul(out_vec[:, :-1], in_vec[:, 1:].transpose(-1, -2)).float()  # [R, S - 1, K, K]
-        if self.evidence is not None:
-            gap = candidate_log_probs.float() - candidate_log_probs[..., :1].float()  # [R, S, K]
-            first, rest = (None, None) if seen is None else seen
-            first_corpus, rest_corpus = (None, None) if corpus is None else corpus
-            start = start + self.evidence(start, gap[:, 0], first, first_corpus) / self.logit_scale
-            pairs = pairs + self.evidence(pairs, gap[:, 1:, None, :], rest, rest_corpus) / self.logit_scale
-        return self.logit_scale * start, self.logit_scale * pairs
+        if self.evidence is None:
+            return scale * start, scale * pairs
+        gap = candidate_log_probs.float() - candidate_log_probs[..., :1].float()  # [R, S, K]
+        first, rest = (None, None) if seen is None else seen
+        first_corpus, rest_corpus = (None, None) if corpus is None else corpus
+        start_evidence = self.evidence(start, gap[:, 0], first, first_corpus)  # [R, K]
+        pair_evidence = self.evidence(pairs, gap[:, 1:, None, :], rest, rest_corpus)  # [R, S - 1, K, K]
+        # scale * score + evidence in one op each (the evidence is trained on this sum)
+        return torch.add(start_evidence, start, alpha=scale), torch.add(pair_evidence, pairs, alpha=scale)
 
     def vectors(
         self,

@@ -25,6 +25,7 @@ _SLOT_COUNTERS = (
 )
 _SCALAR_COUNTERS = (
     "cycles", "committed_tokens", "target_forwards", "drafter_seconds", "corrector_seconds", "target_seconds",
+    "prefill_seconds",
 )
 
 
@@ -46,6 +47,7 @@ class DCOCOStats:
     drafter_seconds: float = 0.0
     corrector_seconds: float = 0.0
     target_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the prompt's target forward, part of target_seconds; the rest is the cycles'
     # per drafted slot: cycles that proposed it / reached it (every slot before it accepted) / accepted it
     slot_proposed: list[int] = field(default_factory=list)
     slot_reached: list[int] = field(default_factory=list)
@@ -172,6 +174,7 @@ class DCOCOStats:
             "drafter_seconds": self.drafter_seconds,
             "corrector_seconds": self.corrector_seconds,
             "target_seconds": self.target_seconds,
+            "prefill_seconds": self.prefill_seconds,
         }
 
 

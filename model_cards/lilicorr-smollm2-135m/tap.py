@@ -70,6 +70,7 @@ class TargetTap:
         self.forward_count = 0
         self.forward_starts: list[int] = []  # first position of each recorded forward
         self.seconds = 0.0
+        self.prefill_seconds = 0.0  # of the forwards that start at position 0: the prompt's
         self._thread: int | None = None
         self._current: dict[str, Any] | None = None
         layers = decoder_layers(target)
@@ -84,7 +85,7 @@ class TargetTap:
         """Start recording this thread's target forwards for `owner` (an engine): forget what earlier ones left.
         `timed`: wait for the device around each forward, so `seconds` is exact on a GPU too (it stalls it)."""
         self.timed, self._sync = timed, device_sync(self._device, timed)
-        self.listening, self.pending, self.forward_count, self.seconds = True, [], 0, 0.0
+        self.listening, self.pending, self.forward_count, self.seconds, self.prefill_seconds = True, [], 0, 0.0, 0.0
         self.forward_starts, self.owner, self._thread, self._current = [], owner, threading.get_ident(), None
 
     def stop(self, owner: object | None = None) -> None:
@@ -130,7 +131,10 @@ class TargetTap:
         if current is None:
             return
         self._sync()
-        self.seconds += time.perf_counter() - current["t0"]
+        elapsed = time.perf_counter() - current["t0"]
+        self.seconds += elapsed
+        if current["start"] == 0:
+            self.prefill_seconds += elapsed
         self.forward_count += 1
         ids, states = current["ids"], current["states"]
         self.forward_starts.append(current["start"])
