@@ -404,6 +404,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         "walk_ceiling_tau": None,
         "corrector_share": None,
         "cycle_share": None,
+        "prefill_seconds": None,
         "drafter_seconds": None,
         "corrector_seconds": None,
         "equal_to_vanilla": None if any(e is None for e in equal) else sum(equal) / len(equal),
@@ -451,7 +452,7 @@ def build_report(records: list[RunRecord], methods: Sequence[str], config: dict[
 
 _COLUMNS = (
     "method", "prompts", "tokens", "seconds", "tok/s", "speedup", "tau", "walk ceiling", "top-K ceiling", "equal",
-    "corrector",
+    "corrector/cycles", "corrector/all",
 )
 
 
@@ -474,7 +475,7 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
             _cell(s["walk_ceiling_tau"], ".2f"),
             _cell(s["topk_ceiling_tau"], ".2f"),
             _cell(s["equal_to_vanilla"], ".2f"),
-            "-" if s["corrector_share"] is None else f"{100 * s['corrector_share']:.1f}%",
+            *("-" if s[key] is None else f"{100 * s[key]:.1f}%" for key in ("cycle_share", "corrector_share")),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = [title]

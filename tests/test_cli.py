@@ -146,6 +146,10 @@ def test_bench_table_on_stdout(bench_run):
     assert "== suite prompts" in bench_run.out and "== overall" in bench_run.out
     for name in METHODS:
         assert name in bench_run.out
+    dcoco = bench_run.report["methods"]["dcoco"]
+    row = next(line.split() for line in bench_run.out.splitlines() if line.split()[:1] == ["dcoco"])
+    # the corrector's share of the cycles, then of all time
+    assert row[-2:] == [f"{100 * dcoco['cycle_share']:.1f}%", f"{100 * dcoco['corrector_share']:.1f}%"]
 
 
 def test_bench_explains_greedy_mismatch_only_where_one_happened(bench_run):
