@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .corrector import CorpusBigrams
+from .corrector import CorpusBigrams, zero_linear
 from .logs import logger
 
 PUBLIC_ARCHITECTURE = "LiLiCorrDraftModel"
@@ -133,7 +133,7 @@ class PairEvidence(nn.Module):
         super().__init__()
         self.reads_seen, self.reads_corpus = seen, False
         self.inputs = nn.Linear(2 + int(seen), hidden)
-        self.out = _zero_linear(hidden, 1)
+        self.out = zero_linear(hidden, 1, bias=True)
         if corpus:
             self.add_corpus_input()
 
@@ -162,16 +162,6 @@ class PairEvidence(nn.Module):
         if self.reads_corpus:
             facts = torch.cat([facts, corpus.to(facts.dtype)], dim=-1)  # [..., inputs]
         return self.out(F.silu(self.inputs(facts.to(dtype)))).squeeze(-1).float()
-
-
-def _zero_linear(inputs: int, outputs: int) -> nn.Linear:
-    """A linear map that starts at zero, kept at zero by `DCOCOPreTrainedModel._init_weights` (`zero_init`)."""
-    layer = nn.Linear(inputs, outputs, bias=outputs == 1)
-    layer.zero_init = True
-    nn.init.zeros_(layer.weight)
-    if layer.bias is not None:
-        nn.init.zeros_(layer.bias)
-    return layer
 
 
 class LiLiCorrCorrector(nn.Module):

@@ -31,6 +31,10 @@ from transformers.generation.stopping_criteria import (
 from .context_cache import DraftContextCache
 from .stats import DCOCOStats
 
+if TYPE_CHECKING:
+    from .modeling_dcoco import DCOCODrafter, DraftProposal
+
+
 class TapCounters(NamedTuple):
     """What the tap counted of one call's target forwards."""
 
@@ -38,10 +42,6 @@ class TapCounters(NamedTuple):
     seconds: float
     starts: list[int]  # first position of each forward
     prefill_seconds: float  # of the prompt's forward
-
-
-if TYPE_CHECKING:
-    from .modeling_dcoco import DCOCODrafter, DraftProposal
 
 
 class DCOCOCandidateGenerator(CandidateGenerator):
@@ -118,7 +118,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
     def end_call(self) -> None:
         """The generate() call is over (returned or raised): stop recording the target, keep the statistics."""
         if self._ended is None and self.tap.owner is self:
-            self._ended = self._tap_counters()
+            counters = self._tap_counters()
+            self._ended = counters._replace(starts=list(counters.starts))  # frozen: a copy, not the tap's live list
         self.tap.stop(self)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
@@ -152,7 +153,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         if self._ended is not None:
             return self._ended
         tap = self.tap
-        return TapCounters(tap.forward_count, tap.seconds, list(tap.forward_starts), tap.prefill_seconds)
+        return TapCounters(tap.forward_count, tap.seconds, tap.forward_starts, tap.prefill_seconds)
 
     # ------------------------------------------------------------------ internals
 

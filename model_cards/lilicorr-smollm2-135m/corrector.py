@@ -50,6 +50,17 @@ from torch import nn
 from torch.nn import functional as F
 
 
+def zero_linear(inputs: int, outputs: int, bias: bool) -> nn.Linear:
+    """A linear map that starts at zero and stays zero through `DCOCOPreTrainedModel._init_weights` (`zero_init`):
+    an input or output added this way changes no score until trained."""
+    layer = nn.Linear(inputs, outputs, bias=bias)
+    layer.zero_init = True
+    nn.init.zeros_(layer.weight)
+    if bias:
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
 class DCOCOCorrector(nn.Module):
     """Scores every adjacent-slot candidate transition of a draft block.
 
@@ -82,15 +93,9 @@ class DCOCOCorrector(nn.Module):
         self.delta_next = nn.Linear(rank, mlp_hidden, bias=False)
         self.delta_logits = nn.Linear(2, mlp_hidden, bias=False)
         # m(a, b) -> Delta, zero at start: a trained corrector gains the input without changing its scores.
-        self.delta_seen = nn.Linear(1, mlp_hidden, bias=False) if context_bigrams else None
-        if self.delta_seen is not None:
-            self.delta_seen.zero_init = True
-            nn.init.zeros_(self.delta_seen.weight)
+        self.delta_seen = zero_linear(1, mlp_hidden, bias=False) if context_bigrams else None
         # Delta, output layer: zero at start so S_p(a, b) = l_{p+1}(b) and the walk returns the drafter argmax.
-        self.delta_out = nn.Linear(mlp_hidden, 1, bias=True)
-        self.delta_out.zero_init = True  # honoured by DCOCOPreTrainedModel._init_weights
-        nn.init.zeros_(self.delta_out.weight)
-        nn.init.zeros_(self.delta_out.bias)
+        self.delta_out = zero_linear(mlp_hidden, 1, bias=True)
         self.delta_corpus = None
         if corpus_bigrams:
             self.add_corpus_input()
@@ -100,9 +105,7 @@ class DCOCOCorrector(nn.Module):
         exactly as before until trained."""
         if self.delta_corpus is None:
             ref = self.delta_out.weight
-            self.delta_corpus = nn.Linear(CorpusBigrams.NUM_INPUTS, self.delta_out.in_features, bias=False).to(ref)
-            self.delta_corpus.zero_init = True
-            nn.init.zeros_(self.delta_corpus.weight)
+            self.delta_corpus = zero_linear(CorpusBigrams.NUM_INPUTS, self.delta_out.in_features, bias=False).to(ref)
 
     def widened(self, mlp_hidden: int) -> "DCOCOCorrector":
         """A copy whose Delta has `mlp_hidden` hidden units and scores every transition exactly as this one does.
