@@ -63,10 +63,56 @@ def prompts(n: int = 3, seed: int = 1) -> torch.LongTensor:
 
 
 def lattice(head: LiLiCorrCorrector, rows: int = 2, slots: int = 4, k: int = 4, width: int = 32, seed: int = 0):
+    """Random inputs of `head` (drafter width `width`): slot hiddens, candidate tokens (token_proj of random
+    embeddings), log-probs best first, anchor rows (the second one absent)."""
     g = torch.Generator().manual_seed(seed)
     log_probs = torch.randn(rows, slots, k, generator=g).sort(-1, descending=True).values.log_softmax(-1)
-    return (torch.randn(rows, slots, width, generator=g), torch.randn(rows, slots, k, width, generator=g), log_probs,
-            torch.randn(rows, width, generator=g), torch.tensor([True, False][:rows]))
+    with torch.no_grad():
+        tokens = head.token_proj(torch.randn(rows, slots, k, width, generator=g))
+    return (torch.randn(rows, slots, width, generator=g), tokens, log_probs, torch.randn(rows, width, generator=g),
+            torch.tensor([True, False][:rows]))
+
+
+def public_vectors(head: LiLiCorrCorrector, slot_hidden, tokens, log_probs, anchor_hidden, anchor_valid):
+    """The head's unit vectors as the public description writes them: each candidate state joined with the anchor
+    as [x; a; x * a] -> factor_input_proj -> SiLU, then the out, in and anchor_out heads, each normalised."""
+    rows, slots, k, width = tokens.shape
+    x = tokens + head.pass_hidden_proj(slot_hidden)[:, :, None] + head.feature_mlp(head._features(log_probs))
+    x = (x + head.slot_embedding[0, :, :slots] + head.rank_embedding[0, :, :, :k]).reshape(rows, slots * k, width)
+    for layer in head.layers:
+        x = layer(x, head._attention_bias(slots, k))
+    x = head.output_norm(x).view(rows, slots, k, width)
+    anchor = head.anchor_norm(head.context_proj(anchor_hidden) * anchor_valid[:, None].float())[:, None, None]
+    factor = F.silu(head.factor_input_proj(torch.cat([x, anchor.expand_as(x), x * anchor], dim=-1)))
+    vectors = head.anchor_out_head(anchor[:, 0, 0]), head.out_head(factor), head.in_head(factor)
+    return tuple(F.normalize(v, dim=-1, eps=head.vector_eps) for v in vectors)
+
+
+def test_vectors_are_the_public_heads_function():
+    """Drafting folds the anchor into factor_input_proj and runs out_head and in_head as one product; it must stay
+    the public head's function (public checkpoints score as their servers do)."""
+    head = LiLiCorrCorrector(32, block_size=5, top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
+    randomise(head)
+    inputs = lattice(head)
+    with torch.no_grad():
+        for ours, theirs in zip(head.vectors(*inputs), public_vectors(head, *inputs)):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_drafting_reads_candidate_tokens_from_a_table_that_follows_the_weights():
+    head = LiLiCorrCorrector(32, block_size=5, top_k=4, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8)
+    randomise(head)
+    embedding = torch.nn.Embedding(48, 32)
+    ids = torch.randint(0, 48, (2, 4, 4), generator=torch.Generator().manual_seed(3))
+    trained = head.candidate_tokens(ids, embedding)  # autograd on: token_proj(E[c]) as written
+    assert trained.requires_grad
+    with torch.no_grad():
+        drafted = head.candidate_tokens(ids, embedding)  # a gather from token_proj(E)
+        torch.testing.assert_close(drafted, trained.detach(), rtol=1e-5, atol=1e-6)
+        assert head._token_table(embedding).shape == (48, 16)
+        embedding.weight.mul_(2)  # a changed target embedding (or token_proj) rebuilds the table
+        head.token_proj.bias.add_(1)
+        torch.testing.assert_close(head.candidate_tokens(ids, embedding), head.token_proj(embedding(ids)))
 
 
 def test_batched_scores_equal_the_per_pair_formula():
@@ -192,10 +238,15 @@ def test_save_in_public_format_round_trip(lilicorr_setup, tmp_path):
     assert "lilicorr.layers.0.attn.in_proj_weight" in names and "fc.weight" in names
     assert not any(n.startswith("corrector.") or n.endswith("score_gate") for n in names)
     loaded = DCOCODrafter.from_pretrained(tmp_path).eval().attach(target, tune=False)
-    inputs = (torch.randn(2, 4, 32), torch.randn(2, 4, 4, 32), torch.randn(2, 4, 4).log_softmax(-1),
-              torch.randn(2, 32), torch.tensor([True, True]))
-    for ours, theirs in zip(drafter.corrector(*inputs), loaded.corrector(*inputs)):
-        torch.testing.assert_close(ours, theirs)
+    ids = torch.randint(0, 48, (2, 4, 4))
+    inputs = (torch.randn(2, 4, 32), torch.randn(2, 4, 4).log_softmax(-1), torch.randn(2, 32), torch.tensor([True, True]))
+    embedding = target.get_input_embeddings()
+    with torch.no_grad():
+        for ours, theirs in zip(drafter.corrector(inputs[0], drafter.corrector.candidate_tokens(ids, embedding),
+                                                  *inputs[1:]),
+                                loaded.corrector(inputs[0], loaded.corrector.candidate_tokens(ids, embedding),
+                                                 *inputs[1:])):
+            torch.testing.assert_close(ours, theirs)
     drafter.corrector.set_gate(1.0)
 
 
@@ -283,10 +334,16 @@ def evidence_head(seed: int = 0) -> LiLiCorrCorrector:
 
 
 def pair_facts(rows: int = 2, slots: int = 4, k: int = 4, seed: int = 5):
-    """(seen, corpus): m(anchor, b) [R, K] and m(a, b) [R, S - 1, K, K]; their corpus inputs [..., 2]."""
+    """(seen, corpus) over the pair lattice, as the drafter hands them to the head: m(a, b) [R, S, K, K], whose pair
+    0 is anchor -> slot 1 (its K rows equal, the anchor repeated), and the corpus inputs [R, S, K, K, 2]."""
     g = torch.Generator().manual_seed(seed)
-    seen = (torch.rand(rows, k, generator=g) < 0.5).float(), (torch.rand(rows, slots - 1, k, k, generator=g) < 0.5).float()
-    corpus = torch.rand(rows, k, 2, generator=g) * 3, torch.rand(rows, slots - 1, k, k, 2, generator=g) * 3
+
+    def lattice_of(first: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        return torch.cat([first[:, None, None].expand(rows, 1, k, *first.shape[1:]), rest], dim=1)
+
+    seen = lattice_of((torch.rand(rows, k, generator=g) < 0.5).float(),
+                      (torch.rand(rows, slots - 1, k, k, generator=g) < 0.5).float())
+    corpus = lattice_of(torch.rand(rows, k, 2, generator=g) * 3, torch.rand(rows, slots - 1, k, k, 2, generator=g) * 3)
     return seen, corpus
 
 
@@ -308,13 +365,13 @@ def test_pair_evidence_adds_its_mlp_to_every_score_and_starts_at_zero():
     for r in range(2):
         for b in range(4):
             gap = log_probs[r, 0, b] - log_probs[r, 0, 0]
-            expected = start0[r, b] + by_hand(start0[r, b], gap, seen[0][r, b], corpus[0][r, b])
+            expected = start0[r, b] + by_hand(start0[r, b], gap, seen[r, 0, 0, b], corpus[r, 0, 0, b])
             torch.testing.assert_close(start[r, b], expected, rtol=1e-5, atol=1e-4)
         for p in range(3):
             for a in range(4):
                 for b in range(4):
                     gap = log_probs[r, p + 1, b] - log_probs[r, p + 1, 0]
-                    facts = seen[1][r, p, a, b], corpus[1][r, p, a, b]
+                    facts = seen[r, p + 1, a, b], corpus[r, p + 1, a, b]
                     expected = pairs0[r, p, a, b] + by_hand(pairs0[r, p, a, b], gap, *facts)
                     torch.testing.assert_close(pairs[r, p, a, b], expected, rtol=1e-5, atol=1e-4)
     # Fresh evidence (zero output layer, as the drafter initialises it) scores exactly as the head alone.

@@ -640,19 +640,18 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         def scored(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
             return [x if x is None or rows is None else x[rows] for x in tensors]
 
-        seen, first_seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid, anchor_positions)
-        corpus, first_corpus = self.candidate_corpus_inputs(anchor_ids, candidates, exclude)
+        seen = self.candidate_bigrams(anchor_ids, candidates, context_ids, context_valid, anchor_positions)
+        corpus = self.candidate_corpus_inputs(anchor_ids, candidates, exclude)
         # The pair inputs read the whole text of each block's sequence, so they come before choosing the rows.
-        block_hidden, anchor_ids, candidates, candidate_logits, seen, first_seen, corpus, first_corpus = scored(
-            block_hidden, anchor_ids, candidates, candidate_logits, seen, first_seen, corpus, first_corpus
+        block_hidden, anchor_ids, candidates, candidate_logits, seen, corpus = scored(
+            block_hidden, anchor_ids, candidates, candidate_logits, seen, corpus
         )
-        if self.config.corrector_type == "lilicorr":
+        if self.config.corrector_type == "lilicorr":  # it reads the pair lattice whole, anchor pairs first
             candidate_log_probs, *anchor = scored(candidate_log_probs, *anchor)
-            return self.corrector(
-                block_hidden[..., 1:, :], self.embed(candidates), candidate_log_probs, *anchor,
-                seen=None if seen is None else (first_seen, seen),
-                corpus=None if corpus is None else (first_corpus, corpus),
-            )
+            tokens = self.corrector.candidate_tokens(candidates, self.target.get_input_embeddings())  # [R, S, K, h]
+            return self.corrector(block_hidden[..., 1:, :], tokens, candidate_log_probs, *anchor, seen, corpus)
+        seen, first_seen = self._split_anchor_pairs(seen)
+        corpus, first_corpus = self._split_anchor_pairs(corpus, features=1)
         slot_hidden = block_hidden[..., 1:, :]  # [R, S, H]
         candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [R, S, K, H]
         scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [R, S - 1, K, K]
@@ -714,17 +713,17 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         context_ids: torch.LongTensor | None,
         context_valid: torch.BoolTensor | None = None,
         anchor_positions: torch.LongTensor | None = None,
-    ) -> tuple[torch.BoolTensor | None, torch.BoolTensor | None]:
-        """m(a, b) of every slot-pair transition [B, ..., S - 1, K, K] and, when `scores_first_slot`, of every anchor
-        -> slot 1 transition [B, ..., K] (else None), as drafting and training both compute them; (None, None)
-        without `context_bigrams`.
+    ) -> torch.BoolTensor | None:
+        """m(a, b) of every transition of the pair lattice (`_with_anchor_slot`) [B, ..., P, K, K], as drafting and
+        training both compute them; None without `context_bigrams`. P = S - 1 slot pairs, after the anchor -> slot 1
+        pairs (P = S, K equal rows) when `scores_first_slot`; `_split_anchor_pairs` parts them.
 
         anchor_ids [B, ...] and candidates [B, ..., S, K] (drafting: one block per row, [B]; training: m blocks per
         sequence, [N, m]); context_ids / context_valid [B, L]; anchor_positions [B, ...], in training, restricts
         each block to the text up to its anchor (drafting's context ends at the anchor already).
         """
         if not self.config.context_bigrams:
-            return None, None
+            return None
         if context_ids is None:
             raise ValueError(
                 "this drafter's corrector reads context bigrams (config.context_bigrams=True): pass the committed "
@@ -732,30 +731,26 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             )
         bigrams, ends = ContextBigrams(context_ids, self.config.vocab_size, context_valid), anchor_positions
         lattice = self._with_anchor_slot(anchor_ids, candidates)
-        pairs = bigrams.seen(
+        return bigrams.seen(
             lattice[..., :-1, :, None], lattice[..., 1:, None, :], None if ends is None else ends[..., None, None, None]
         )
-        return self._split_anchor_pairs(pairs)
 
     def candidate_corpus_inputs(
         self,
         anchor_ids: torch.LongTensor,
         candidates: torch.LongTensor,
         exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The corpus inputs of every slot-pair transition [B, ..., S - 1, K, K, 2] and, when `scores_first_slot`,
-        of every anchor -> slot 1 transition [B, ..., K, 2] (else None), as drafting and training both compute them;
-        (None, None) without `corpus_bigrams`. anchor_ids [B, ...], candidates [B, ..., S, K]; exclude, in training,
+    ) -> torch.Tensor | None:
+        """The corpus inputs of every transition of the pair lattice [B, ..., P, K, K, 2] (as `candidate_bigrams`),
+        as drafting and training both compute them; None without `corpus_bigrams`. anchor_ids [B, ...], candidates [B, ..., S, K]; exclude, in training,
         the records' (input_ids [B, T], loss_mask [B, T]), whose own pairs leave the counts (leave-one-out).
         """
         if self.corpus_bigrams is None:
-            return None, None
+            return None
         table = self.corpus_bigrams
         own = None if exclude is None else table.own_counts(*exclude)
         lattice = self._with_anchor_slot(anchor_ids, candidates)
-        return self._split_anchor_pairs(
-            table.inputs(lattice[..., :-1, :, None], lattice[..., 1:, None, :], own), features=1
-        )
+        return table.inputs(lattice[..., :-1, :, None], lattice[..., 1:, None, :], own)
 
     def _with_anchor_slot(self, anchor_ids: torch.LongTensor, candidates: torch.LongTensor) -> torch.LongTensor:
         """candidates [..., S, K], with the anchor as a slot 0 of K equal candidates in front when the first slot is
@@ -766,11 +761,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         return torch.cat([anchor, candidates], dim=-2)  # [..., S + 1, K]
 
     def _split_anchor_pairs(
-        self, pairs: torch.Tensor, features: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, pairs: torch.Tensor | None, features: int = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Pair inputs over `_with_anchor_slot`'s lattice [..., P, K, K] (+ `features` trailing dims) -> (the slot
         pairs [..., S - 1, K, K], the anchor -> slot 1 pairs [..., K] or None), each with those trailing dims."""
-        if not self.scores_first_slot:
+        if pairs is None or not self.scores_first_slot:
             return pairs, None
         tail = (slice(None),) * features
         every = slice(None)

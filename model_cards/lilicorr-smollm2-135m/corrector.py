@@ -385,14 +385,19 @@ def prefix_first_walk(transition_scores: torch.Tensor, first_slot_scores: torch.
     given, picks slot 1 instead (the anchor -> slot 1 scores of `correct_first_slot`; the drafter's own sorted
     logits pick candidate 0, as without them).
     """
-    batch, pairs, k, _ = transition_scores.shape
-    chosen = transition_scores.new_zeros((batch, pairs + 1), dtype=torch.long)
-    if first_slot_scores is not None:
-        chosen[:, 0] = first_slot_scores.argmax(-1)
+    batch, pairs, _, _ = transition_scores.shape
+    # Every candidate's best successor at once (the first of equal maxima, as argmax picks); the walk then only
+    # follows pointers, one gather per slot, so a draft pays a few small ops for it rather than a few per candidate.
+    best_successor = transition_scores.argmax(-1)  # [B, P, K]
+    if first_slot_scores is None:
+        current = best_successor.new_zeros(batch, 1)  # [B, 1]
+    else:
+        current = first_slot_scores.argmax(-1, keepdim=True)
+    chosen = [current]
     for p in range(pairs):
-        rows = transition_scores[:, p].gather(1, chosen[:, p, None, None].expand(batch, 1, k)).squeeze(1)  # [B, K]
-        chosen[:, p + 1] = rows.argmax(-1)
-    return chosen
+        current = best_successor[:, p].gather(1, current)  # [B, 1]
+        chosen.append(current)
+    return torch.cat(chosen, dim=1)  # [B, P + 1]
 
 
 def viterbi_walk(

@@ -260,73 +260,107 @@ class LiLiCorrCorrector(nn.Module):
     def forward(
         self,
         slot_hidden: torch.Tensor,
-        candidate_embeds: torch.Tensor,
+        candidate_tokens: torch.Tensor,
         candidate_log_probs: torch.Tensor,
         anchor_hidden: torch.Tensor,
         anchor_valid: torch.Tensor,
-        seen: tuple[torch.Tensor, torch.Tensor] | None = None,
-        corpus: tuple[torch.Tensor, torch.Tensor] | None = None,
+        seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score the lattice of R blocks.
 
         Args:
             slot_hidden: [R, S, H] drafter hidden of each drafted slot.
-            candidate_embeds: [R, S, K, H] target embeddings of each slot's top-K candidates, best first.
+            candidate_tokens: [R, S, K, h] token_proj(E[c]) of each slot's top-K candidates c, best first
+                (`candidate_tokens`).
             candidate_log_probs: [R, S, K] their drafter log-probs (log-softmax over the proposal vocabulary).
             anchor_hidden: [R, H] fused target context of the position before the block (`hidden_norm(fc(.))`).
             anchor_valid: [R] False where that position does not exist (the anchor row is then zero).
-            seen: with `context_bigrams`, m(anchor, b) [R, K] and m(a, b) [R, S - 1, K, K] (`candidate_bigrams`).
-            corpus: with `corpus_bigrams`, their corpus inputs [R, K, 2] and [R, S - 1, K, K, 2].
+            seen: with `context_bigrams`, m(a, b) over the pair lattice [R, S, K, K]: the anchor -> slot 1 pairs
+                (K equal rows), then the slot pairs (`DCOCODrafter.candidate_bigrams`).
+            corpus: with `corpus_bigrams`, their corpus inputs [R, S, K, K, 2].
         Returns:
             start [R, K] (anchor -> slot 1) and pair scores [R, S - 1, K, K]; entry [r, p, a, b] scores candidate b
             at slot p + 1 after candidate a at slot p.
         """
         anchor_out, out_vec, in_vec = self.vectors(
-            slot_hidden, candidate_embeds, candidate_log_probs, anchor_hidden, anchor_valid
+            slot_hidden, candidate_tokens, candidate_log_probs, anchor_hidden, anchor_valid
         )
-        gate, scale = self.gate, self.logit_scale
-        start = gate * torch.einsum("rf,rkf->rk", anchor_out, in_vec[:, 0]).float()  # [R, K]
-        pairs = gate * torch.matmul(out_vec[:, :-1], in_vec[:, 1:].transpose(-1, -2)).float()  # [R, S - 1, K, K]
+        rows, _, k, _ = out_vec.shape
+        # The anchor as a slot 0 of K equal candidates (the pair lookups' lattice): the start scores and the slot
+        # pairs are then one product and one evidence pass, [R, S, K, K] with the start in row 0 of pair 0.
+        before = torch.cat([anchor_out[:, None, None].expand(rows, 1, k, -1), out_vec[:, :-1]], dim=1)  # [R, S, K, f]
+        scores = self.gate * torch.matmul(before, in_vec.transpose(-1, -2)).float()  # [R, S, K, K]
         if self.evidence is None:
-            return scale * start, scale * pairs
-        gap = candidate_log_probs.float() - candidate_log_probs[..., :1].float()  # [R, S, K]
-        first, rest = (None, None) if seen is None else seen
-        first_corpus, rest_corpus = (None, None) if corpus is None else corpus
-        start_evidence = self.evidence(start, gap[:, 0], first, first_corpus)  # [R, K]
-        pair_evidence = self.evidence(pairs, gap[:, 1:, None, :], rest, rest_corpus)  # [R, S - 1, K, K]
-        # scale * score + evidence in one op each (the evidence is trained on this sum)
-        return torch.add(start_evidence, start, alpha=scale), torch.add(pair_evidence, pairs, alpha=scale)
+            scores = self.logit_scale * scores
+        else:
+            gap = candidate_log_probs.float() - candidate_log_probs[..., :1].float()  # [R, S, K]
+            evidence = self.evidence(scores, gap[:, :, None, :], seen, corpus)  # [R, S, K, K]
+            scores = torch.add(evidence, scores, alpha=self.logit_scale)  # the evidence is trained on this sum
+        return scores[:, 0, 0], scores[:, 1:]
+
+    def candidate_tokens(self, candidates: torch.LongTensor, embedding: nn.Module) -> torch.Tensor:
+        """token_proj(E[c]) of candidate ids [..., K] -> [..., K, h]; `embedding` is the target's input embedding.
+
+        Drafting gathers rows of one table token_proj(E) over the whole vocabulary (`_token_table`): the projection
+        of every candidate, the head's widest product, becomes a gather. With autograd on (training) it is computed
+        as written, so gradients reach token_proj; both give the same numbers up to float rounding.
+        """
+        if torch.is_grad_enabled() or isinstance(self.token_proj, nn.Identity):
+            return self.token_proj(embedding(candidates).to(self.pass_hidden_proj.weight.dtype))
+        return F.embedding(candidates, self._token_table(embedding))
+
+    def _token_table(self, embedding: nn.Module) -> torch.Tensor:
+        """token_proj(E) [V, h], rebuilt only when the embedding or token_proj changes (training, loading, `.to`).
+
+        Built through the embedding module itself (some scale their rows in forward), a chunk of ids at a time so a
+        large vocabulary never holds its [V, H] copy at once; it costs V x h numbers (25 MB for SmolLM2 in fp32)."""
+        params = (*embedding.parameters(), *self.token_proj.parameters())
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        cached = getattr(self, "_token_cache", None)
+        if cached is None or cached[0] != key:
+            weight, rows = self.pass_hidden_proj.weight, embedding.weight
+            ids = torch.arange(rows.shape[0], device=rows.device)
+            table = torch.cat([self.token_proj(embedding(chunk).to(weight)) for chunk in ids.split(8192)])
+            cached = self._token_cache = (key, table)
+        return cached[1]
 
     def vectors(
         self,
         slot_hidden: torch.Tensor,
-        candidate_embeds: torch.Tensor,
+        candidate_tokens: torch.Tensor,
         candidate_log_probs: torch.Tensor,
         anchor_hidden: torch.Tensor,
         anchor_valid: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The unit vectors (anchor_out [R, f], out [R, S, K, f], in [R, S, K, f]) of `forward`'s inputs."""
-        rows, slots, k, _ = candidate_embeds.shape
+        rows, slots, k, width = candidate_tokens.shape
         if slots > self.block_size - 1 or k > self.top_k:
             raise ValueError(
                 f"This LiLiCorr head serves blocks of up to {self.block_size} with up to {self.top_k} candidates, "
                 f"not {slots + 1} with {k}: draft a smaller block (set_block_size) or train a head for this size."
             )
         dtype = self.pass_hidden_proj.weight.dtype
-        x = self.token_proj(candidate_embeds.to(dtype)) + self.pass_hidden_proj(slot_hidden.to(dtype))[:, :, None]
+        x = candidate_tokens.to(dtype) + self.pass_hidden_proj(slot_hidden.to(dtype))[:, :, None]
         x = x + self.feature_mlp(self._features(candidate_log_probs).to(dtype))  # [R, S, K, h]
         x = x + self.slot_embedding[0, :, :slots] + self.rank_embedding[0, :, :, :k]
-        x = x.reshape(rows, slots * k, -1)  # [R, S*K, h] the lattice, slot-major
+        x = x.reshape(rows, slots * k, width)  # [R, S*K, h] the lattice, slot-major
         bias = self._attention_bias(slots, k)  # [heads, S*K, S*K]
         for layer in self.layers:
             x = layer(x, bias)
-        x = self.output_norm(x).view(rows, slots, k, -1)  # [R, S, K, h]
+        x = self.output_norm(x)  # [R, S*K, h]
         anchor = self.context_proj(anchor_hidden.to(dtype)) * anchor_valid.to(dtype)[:, None]  # [R, h]
-        anchor = self.anchor_norm(anchor)[:, None, None]  # [R, 1, 1, h]
-        factor = F.silu(self.factor_input_proj(torch.cat([x, anchor.expand_as(x), x * anchor], dim=-1)))
+        anchor = self.anchor_norm(anchor)
+        # factor_input_proj([x; a; x * a]) = x (W_x + W_xa diag(a))^T + (a W_a^T + b): the anchor is one per row, so
+        # its two thirds fold into a per-row weight and shift, and the candidates take one [S*K, h] x [h, h] product
+        # instead of [S*K, 3h] x [3h, h] on a concatenated copy.
+        w_x, w_a, w_xa = self.factor_input_proj.weight.split(width, dim=1)  # [h, h] each
+        weight = torch.addcmul(w_x, w_xa, anchor[:, None, :]).transpose(1, 2)  # [R, h_in, h_out]
+        shift = F.linear(anchor, w_a, self.factor_input_proj.bias)  # [R, h]
+        factor = F.silu(torch.baddbmm(shift[:, None], x, weight)).view(rows, slots, k, width)  # [R, S, K, h]
         out_vec = F.normalize(self.out_head(factor), dim=-1, eps=self.vector_eps)  # [R, S, K, f]
         in_vec = F.normalize(self.in_head(factor), dim=-1, eps=self.vector_eps)  # [R, S, K, f]
-        anchor_out = F.normalize(self.anchor_out_head(anchor[:, 0, 0]), dim=-1, eps=self.vector_eps)  # [R, f]
+        anchor_out = F.normalize(self.anchor_out_head(anchor), dim=-1, eps=self.vector_eps)  # [R, f]
         return anchor_out, out_vec, in_vec
 
     def _features(self, log_probs: torch.Tensor) -> torch.Tensor:
