@@ -17,6 +17,11 @@ gives each candidate an "out" vector (how it continues) and an "in" vector (what
    slot 1, [B, K]. The same walks (`corrector.select_candidates`) read them; with the default greedy walk slot 1 is
    the best start and every next slot the best successor of the one chosen.
 
+Drafting computes that function with three shortcuts, the same numbers up to float rounding (tests check them against
+the formula): token_proj(E[c]) is a row of a table over the vocabulary (`candidate_tokens`); the anchor's part of
+factor_input_proj becomes a per-block weight (`vectors`); and the anchor is a slot 0 of K equal candidates, so start
+and pair scores are one product (`forward`).
+
 Architecture, parameter names and config keys follow the public implementations (NVIDIA Model-Optimizer's training
 plugin, the SGLang and vLLM serving heads), so checkpoints move both ways (`to_public_format`,
 `public_state_dict`); the weights live under `corrector.` here and `lilicorr.` there.

@@ -226,7 +226,7 @@ def markdown_table(report: dict, source: str) -> str:
 
 
 def percent(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.1f}%"
+    return "-" if share is None else f"{100 * share:.2f}%"  # two decimals: the bar sits at 3.00%
 
 
 def write_between_markers(doc: Path, table: str, source: str) -> None:
