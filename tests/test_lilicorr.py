@@ -239,13 +239,16 @@ def test_save_in_public_format_round_trip(lilicorr_setup, tmp_path):
     assert not any(n.startswith("corrector.") or n.endswith("score_gate") for n in names)
     loaded = DCOCODrafter.from_pretrained(tmp_path).eval().attach(target, tune=False)
     ids = torch.randint(0, 48, (2, 4, 4))
-    inputs = (torch.randn(2, 4, 32), torch.randn(2, 4, 4).log_softmax(-1), torch.randn(2, 32), torch.tensor([True, True]))
+    slot_hidden, log_probs = torch.randn(2, 4, 32), torch.randn(2, 4, 4).log_softmax(-1)
+    anchor = torch.randn(2, 32), torch.tensor([True, True])
     embedding = target.get_input_embeddings()
+
+    def scores(model: DCOCODrafter) -> tuple[torch.Tensor, torch.Tensor]:
+        head = model.corrector
+        return head(slot_hidden, head.candidate_tokens(ids, embedding), log_probs, *anchor)
+
     with torch.no_grad():
-        for ours, theirs in zip(drafter.corrector(inputs[0], drafter.corrector.candidate_tokens(ids, embedding),
-                                                  *inputs[1:]),
-                                loaded.corrector(inputs[0], loaded.corrector.candidate_tokens(ids, embedding),
-                                                 *inputs[1:])):
+        for ours, theirs in zip(scores(drafter), scores(loaded)):
             torch.testing.assert_close(ours, theirs)
     drafter.corrector.set_gate(1.0)
 

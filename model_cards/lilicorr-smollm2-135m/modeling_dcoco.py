@@ -742,8 +742,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         exclude: tuple[torch.LongTensor, torch.BoolTensor] | None = None,
     ) -> torch.Tensor | None:
         """The corpus inputs of every transition of the pair lattice [B, ..., P, K, K, 2] (as `candidate_bigrams`),
-        as drafting and training both compute them; None without `corpus_bigrams`. anchor_ids [B, ...], candidates [B, ..., S, K]; exclude, in training,
-        the records' (input_ids [B, T], loss_mask [B, T]), whose own pairs leave the counts (leave-one-out).
+        as drafting and training both compute them; None without `corpus_bigrams`. anchor_ids [B, ...], candidates
+        [B, ..., S, K]; exclude, in training, the records' (input_ids [B, T], loss_mask [B, T]), whose own pairs leave
+        the counts (leave-one-out).
         """
         if self.corpus_bigrams is None:
             return None
