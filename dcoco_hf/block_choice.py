@@ -13,15 +13,17 @@ So both factors are measured, each where it is a property of what it measures:
              generation_config.json). It is measured at every B
              rather than predicted from the slot acceptance of the longest block: a block's mask slots attend to
              each other, so the slots of a shorter block predict somewhat differently.
-    T(B)     one verify forward of B tokens plus one drafted and corrected block, timed on this machine, interleaved
-             across block sizes on the same cached context,
-and `choose_block_size` returns the B of largest tau(B) / T(B). The transformers loop around a cycle costs the same
-for every B and is left out, which slightly favours shorter blocks.
+    T(B)     one verify forward of B tokens plus one drafted and corrected block, from the cycle costs timed on
+             this machine (`measure_cycle_costs`: every part interleaved with the others, repeated, medians made
+             monotone in the size, so one slow spell does not decide),
+and `choose_block_size` returns the B of largest tau(B) / T(B). This fixed block is the constant schedule's; the
+default, cost-aware schedule (`proposal.py`) drafts the largest block and sizes each cycle's proposal from the same
+costs. The transformers loop around a cycle costs the same for every B and is left out, which slightly favours
+shorter blocks.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .context_cache import DraftContextCache
 from .device import device_sync
+from .proposal import CycleCosts
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
@@ -112,26 +115,30 @@ def candidate_block_sizes(drafter: DCOCODrafter) -> list[int]:
 
 
 @torch.no_grad()
-def time_cycles(
+def measure_cycle_costs(
     target: PreTrainedModel,
     drafter: DCOCODrafter,
     block_sizes: list[int],
+    max_rows: int,
     context_length: int = 256,
     new_rows: int = 2,
-    repeats: int = 5,
-) -> dict[int, float]:
-    """Median seconds of one cycle at each block size: a verify forward of B tokens on a target cache of
-    `context_length` tokens, plus `drafter.propose` of a block of B with `new_rows` fresh context rows (about tau)
-    on a drafter cache of the same length. Sizes run interleaved, after one untimed round, so a noisy machine slows
-    all of them alike. Token ids and context states are random: the cost of a forward does not depend on them."""
+    repeats: int = 7,
+) -> CycleCosts:
+    """Time the parts of a cycle on this device (`CycleCosts`): a target forward of 1..`max_rows` rows on a cached
+    context of `context_length` tokens (1 row: a plain step), and `drafter.propose` of a block of each of
+    `block_sizes` with `new_rows` fresh context rows (about tau) on a drafter cache of the same length.
+
+    A noisy machine slows whatever runs during a slow spell, so every size runs once per round, in an order rotated
+    from round to round, after one untimed round; the fit takes medians over `repeats` rounds and makes them
+    monotone in the size. Token ids and context states are random: the cost of a forward does not depend on them."""
     device = next(target.parameters()).device
     sync = device_sync(device)
+    longest = max(max_rows, max(block_sizes))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.config.vocab_size, (1, context_length + max(block_sizes)), generator=generator)
-    ids = ids.to(device)
+    ids = torch.randint(0, target.config.vocab_size, (1, context_length + longest), generator=generator).to(device)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     states = torch.randn(1, context_length + new_rows, width, generator=generator).to(device, drafter.dtype)
-    positions = torch.arange(context_length + new_rows + max(block_sizes), device=device)[None]
+    positions = torch.arange(context_length + new_rows + longest, device=device)[None]
 
     target_cache = DynamicCache(config=target.config)
     target(input_ids=ids[:, :context_length], cache=target_cache, use_cache=True, logits_to_keep=1)
@@ -141,10 +148,19 @@ def time_cycles(
         drafter.propose(ids[0, -1:], states[:, :context_length], torch.cat([positions[:, :context_length], block], 1),
                         draft_cache, context_ids=ids[:, :context_length])
 
-    def cycle(block_size: int) -> float:
+    def verify(rows: int) -> float:
         sync()
         start = time.perf_counter()
-        target(input_ids=ids[:, context_length : context_length + block_size], cache=target_cache, use_cache=True)
+        target(input_ids=ids[:, context_length : context_length + rows], cache=target_cache, use_cache=True,
+               logits_to_keep=rows)
+        sync()
+        seconds = time.perf_counter() - start
+        target_cache.crop(-rows)  # transformers 5 crops by the count removed
+        return seconds
+
+    def draft(block_size: int) -> float:
+        sync()
+        start = time.perf_counter()
         with block_size_for_call(drafter, block_size):
             cycle_positions = positions[:, context_length : context_length + new_rows + block_size]
             drafter.propose(
@@ -152,30 +168,33 @@ def time_cycles(
             )
         sync()
         seconds = time.perf_counter() - start
-        target_cache.crop(-block_size)  # transformers 5 crops by the count removed
         draft_cache.truncate(context_length)
         return seconds
 
-    timings: dict[int, list[float]] = {size: [] for size in block_sizes}
+    parts = [("verify", rows) for rows in range(1, max_rows + 1)] + [("draft", size) for size in block_sizes]
+    timings: dict[tuple[str, int], list[float]] = {part: [] for part in parts}
     for round_ in range(repeats + 1):
-        for size in block_sizes:
-            seconds = cycle(size)
+        shift = round_ % len(parts)
+        for kind, size in parts[shift:] + parts[:shift]:
+            seconds = verify(size) if kind == "verify" else draft(size)
             if round_:  # round 0 warms every size up
-                timings[size].append(seconds)
-    return {size: statistics.median(values) for size, values in timings.items()}
+                timings[kind, size].append(seconds)
+    return CycleCosts.fit(
+        {rows: timings["verify", rows] for rows in range(1, max_rows + 1)},
+        {size: timings["draft", size] for size in block_sizes},
+    )
 
 
-def choose_block_size(
-    target: PreTrainedModel, drafter: DCOCODrafter, block_sizes: list[int] | None = None, repeats: int = 5
-) -> BlockSizeChoice:
-    """The block size of largest measured tau / timed cycle among `block_sizes` (default: every size in the
-    drafter's `block_tau`). Apply it with `set_block_size(drafter, choice.block_size)`."""
+def choose_block_size(drafter: DCOCODrafter, costs: CycleCosts, block_sizes: list[int] | None = None) -> BlockSizeChoice:
+    """The block size of largest recorded tau / modelled cycle (draft + verify of B rows) among `block_sizes`
+    (default: every size in the drafter's `block_tau`), for the constant schedule. Apply it with
+    `set_block_size(drafter, choice.block_size)`."""
     measured = candidate_block_sizes(drafter)
     sizes = sorted(set(block_sizes)) if block_sizes else measured
     missing = sorted(set(sizes) - set(measured))
     if missing:
         raise ValueError(f"block sizes {missing} have no measured tau in the drafter's block_tau (it has {measured})")
     tau = {size: drafter.decoding.block_tau[str(size)] for size in sizes}
-    seconds = time_cycles(target, drafter, sizes, repeats=repeats)
+    seconds = {size: costs.cycle(size - 1, size) for size in sizes}
     best = max(sizes, key=lambda size: tau[size] / seconds[size])
     return BlockSizeChoice(best, tau, seconds)

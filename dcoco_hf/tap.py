@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -73,6 +75,7 @@ class TargetTap:
         self.prefill_seconds = 0.0  # of the forwards that start at position 0: the prompt's
         self._thread: int | None = None
         self._current: dict[str, Any] | None = None
+        self._on_forward: weakref.WeakMethod | None = None
         layers = decoder_layers(target)
         self._handles = [
             target.register_forward_pre_hook(self._on_start, with_kwargs=True),
@@ -81,10 +84,15 @@ class TargetTap:
         self._device = next(target.parameters()).device
         self._sync = device_sync(self._device, timed=False)
 
-    def listen(self, owner: object | None = None, timed: bool = False) -> None:
+    def listen(
+        self, owner: object | None = None, timed: bool = False, on_forward: Callable[[int], None] | None = None
+    ) -> None:
         """Start recording this thread's target forwards for `owner` (an engine): forget what earlier ones left.
-        `timed`: wait for the device around each forward, so `seconds` is exact on a GPU too (it stalls it)."""
+        `timed`: wait for the device around each forward, so `seconds` is exact on a GPU too (it stalls it).
+        `on_forward(width)`: a method of the owner called after each recorded forward with its width in tokens
+        (held weakly, like the owner's lifetime: the tap never keeps an engine alive)."""
         self.timed, self._sync = timed, device_sync(self._device, timed)
+        self._on_forward = weakref.WeakMethod(on_forward) if on_forward is not None else None
         self.listening, self.pending, self.forward_count, self.seconds, self.prefill_seconds = True, [], 0, 0.0, 0.0
         self.forward_starts, self.owner, self._thread, self._current = [], owner, threading.get_ident(), None
 
@@ -92,7 +100,7 @@ class TargetTap:
         """Stop recording (only if `owner` is still the listener: a newer call may have started listening since).
         Counters stay readable until the next `listen()`."""
         if owner is None or self.owner is owner:
-            self.listening, self.pending, self._current = False, [], None
+            self.listening, self.pending, self._current, self._on_forward = False, [], None, None
 
     def _mine(self) -> bool:
         return self.listening and threading.get_ident() == self._thread
@@ -113,8 +121,8 @@ class TargetTap:
         self._sync()
         # Rows are aligned by their index in the token sequence (= tokens already in the target's cache), not by
         # RoPE position, which skips padding holes.
-        ids, _, start = forward_inputs(args, kwargs)
-        self._current = {"ids": ids, "start": int(start), "states": {}, "t0": time.perf_counter()}
+        ids, width, start = forward_inputs(args, kwargs)
+        self._current = {"ids": ids, "width": width, "start": int(start), "states": {}, "t0": time.perf_counter()}
 
     @torch.compiler.disable  # timing/sync side effects stay out of a compiled target graph
     def _on_layer(self, layer_id: int, module, args, kwargs, output) -> None:
@@ -138,6 +146,9 @@ class TargetTap:
         self.forward_count += 1
         ids, states = current["ids"], current["states"]
         self.forward_starts.append(current["start"])
+        callback = self._on_forward() if self._on_forward is not None else None
+        if callback is not None:
+            callback(current["width"])
         if ids is None or len(states) != len(self.layer_ids):
             return  # an inputs_embeds forward: no context for the drafter, still lossless
         positions = current["start"] + torch.arange(ids.shape[1], device=ids.device)

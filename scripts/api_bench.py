@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "prompt": prompt, "plain_tokens": new, "plain_seconds": plain_s, "drafter_tokens": fast_new,
                 "drafter_seconds": fast_s, "target_forwards": stats.target_forwards,
                 "corrector_seconds": stats.corrector_seconds, "identical": torch.equal(plain, fast),
+                "proposal_lengths": stats.proposal_lengths, "seconds_saved": stats.seconds_saved,
             })
             print(f"[{index}/{len(prompts)}] tau {fast_new / stats.target_forwards:.2f}, plain {plain_s:.2f} s, "
                   f"drafter {fast_s:.2f} s, identical {records[-1]['identical']}", file=sys.stderr, flush=True)
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"tau {totals['tau']:.2f} | speedup {totals['speedup']:.2f}x (tokens/s, same run) | plain "
           f"{totals['plain_tokens_per_s']:.1f} tok/s, drafter {totals['drafter_tokens_per_s']:.1f} tok/s | "
           f"corrector share {100 * totals['corrector_share']:.1f}% | identical {totals['identical']}/{len(records)}")
+    print(f"cycles per proposal length (0 = plain step): {totals['proposal_lengths']}")
     if args.json:
         report = {"command_line": ["python", "scripts/api_bench.py", *(argv if argv is not None else sys.argv[1:])],
                   "tuning": drafter.tuning.summary() if drafter.tuning else None, "totals": totals,
@@ -112,7 +114,15 @@ def summarise(records: list[dict]) -> dict:
         "drafter_tokens_per_s": drafter_tokens / drafter_seconds,
         "corrector_share": sum(r["corrector_seconds"] for r in records) / drafter_seconds,
         "identical": sum(r["identical"] for r in records),
+        "proposal_lengths": _summed([r.get("proposal_lengths", []) for r in records]),
     }
+
+
+def _summed(counts: list[list[int]]) -> dict[str, int]:
+    """Cycles per proposal length over all prompts ({"0": plain steps, "1": ..., ...})."""
+    width = max((len(c) for c in counts), default=0)
+    totals = [sum(c[k] for c in counts if k < len(c)) for k in range(width)]
+    return {str(k): n for k, n in enumerate(totals) if n}
 
 
 if __name__ == "__main__":

@@ -101,11 +101,14 @@ _FITTED: dict[str, tuple] = {}
 
 @pytest.fixture(scope="session")
 def fitted(arch):
-    """(target, fitted drafter) for `arch`, built once per session."""
+    """(target, fitted drafter) for `arch`, built once per session. It proposes its whole block every cycle (the
+    constant schedule), so tests can count full blocks and compare drafts across calls; tests/test_proposal.py
+    covers the cost-aware schedule."""
     if arch not in _FITTED:
         target = make_target(arch)
         _FITTED[arch] = (target, fit_drafter(target))
     target, drafter = _FITTED[arch]
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
     return target, drafter.attach(target)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -51,19 +52,34 @@ def _plain_generate(target, ids):
 
 def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(logging.getLogger("dcoco_hf"), "propagate", True)  # caplog listens at the root
     target = make_target("llama")
     drafter = _drafter(target).attach(target)
     tuning = drafter.tuning
     assert target.config._attn_implementation == CPU_GQA_ATTENTION  # GQA-aware masked attention
     assert _few_rows(target) and _few_rows(drafter)  # measured few-rows layouts for both
     assert tuning.target_layout and tuning.drafter_layout
-    assert tuning.block_choice is not None and drafter.config.block_size == tuning.block_choice.block_size
-    assert set(tuning.block_choice.tau) == {2, 3, 4}
+    # The cost-aware schedule drafts the largest trained block and sizes each proposal from the costs timed here.
+    assert tuning.block_choice is None and drafter.config.block_size == drafter.config.largest_block_size
+    assert tuning.costs is not None and tuning.costs.max_rows == drafter.config.block_size
+    assert drafter.cycle_costs is tuning.costs
     assert tuning.cache_file is not None and tuning.cache_file.parent == tmp_path
     assert tuning.cache_file.is_file() and not tuning.from_cache
     lines = [record.getMessage() for record in caplog.records if record.name == "dcoco_hf"]
     assert len(lines) == 1, lines
     assert "block size" in lines[0] and "few-rows" in lines[0] and str(tuning.cache_file) in lines[0]
+    assert "plain step" in lines[0] and "spread" in lines[0]
+
+
+def test_the_constant_schedule_takes_dscouts_block(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    drafter = _drafter(target)
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    tuning = drafter.attach(target).tuning
+    assert tuning.block_choice is not None and drafter.config.block_size == tuning.block_choice.block_size
+    assert set(tuning.block_choice.tau) == {2, 3, 4}
+    assert tuning.block_choice.cycle_seconds[3] == tuning.costs.cycle(2, 3)
 
 
 def test_tune_false_changes_nothing():
@@ -118,19 +134,22 @@ _SECOND_PROCESS = textwrap.dedent(
     from dcoco_hf import DCOCODrafter
 
     timed = []
-    original = block_choice.time_cycles
-    block_choice.time_cycles = lambda *a, **k: timed.append(1) or original(*a, **k)
+    original = block_choice.measure_cycle_costs
+    block_choice.measure_cycle_costs = lambda *a, **k: timed.append(1) or original(*a, **k)
+    from dcoco_hf import tuning
+    tuning.measure_cycle_costs = block_choice.measure_cycle_costs
     target = make_target("llama")
     torch.manual_seed(0)
     drafter = DCOCODrafter.from_target(target, block_size=4, top_k=4, block_tau={tau!r}).eval().detach()
     drafter.attach(target)
     print(json.dumps({{"from_cache": drafter.tuning.from_cache, "timed": len(timed),
-                      "block": drafter.config.block_size, "file": str(drafter.tuning.cache_file)}}))
+                      "block": drafter.config.block_size, "file": str(drafter.tuning.cache_file),
+                      "costs": drafter.tuning.costs.to_dict()}}))
     """
 )
 
 
-def test_a_second_process_reuses_the_cached_block_choice(tmp_path):
+def test_a_second_process_reuses_the_cached_costs(tmp_path):
     script = _SECOND_PROCESS.format(tests=str(TESTS), tau=BLOCK_TAU)
     env = {**os.environ, "DCOCO_HF_TUNING_DIR": str(tmp_path)}
 
@@ -143,6 +162,7 @@ def test_a_second_process_reuses_the_cached_block_choice(tmp_path):
     assert not first["from_cache"] and first["timed"] == 1
     assert second["from_cache"] and second["timed"] == 0  # no timing at all in the second process
     assert second["block"] == first["block"] and second["file"] == first["file"]
+    assert second["costs"] == first["costs"]
 
 
 def test_a_changed_drafter_is_measured_anew(tmp_path, monkeypatch):
@@ -161,7 +181,7 @@ def test_an_unreadable_cache_file_is_measured_again(tmp_path, monkeypatch):
     first = _drafter(target).attach(target).tuning
     first.cache_file.write_text("{torn")
     again = _drafter(target).attach(target).tuning
-    assert not again.from_cache and json.loads(again.cache_file.read_text())["block_choice"] is not None
+    assert not again.from_cache and json.loads(again.cache_file.read_text())["cycle_costs"] is not None
 
 
 def test_refresh_measures_again_and_overwrites(tmp_path, monkeypatch):

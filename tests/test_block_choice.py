@@ -1,4 +1,5 @@
-"""Choosing the block size by DScout's tau / cycle time (dcoco_hf/block_choice.py), on the tiny fitted drafter."""
+"""The cycle costs (dcoco_hf/block_choice.py) and the constant schedule's block, DScout's tau / cycle time, on the
+tiny fitted drafter."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcoco_hf import DCOCOConfig, DCOCODrafter, block_choice
-from dcoco_hf.block_choice import candidate_block_sizes, choose_block_size, time_cycles
+from dcoco_hf import DCOCOConfig, DCOCODrafter
+from dcoco_hf.block_choice import candidate_block_sizes, choose_block_size, measure_cycle_costs
 from dcoco_hf.configuration_dcoco import DecodingChoices
+from dcoco_hf.proposal import CycleCosts
 
 # The shipped SmolLM2 drafter's HumanEval tau per block size (its bench_block_sizes.json): it grows fast up to blocks
 # of 4, then hardly.
@@ -29,15 +31,14 @@ BLOCK_TAU = {"2": 1.62, "3": 1.93, "4": 2.08, "5": 2.10, "6": 2.08, "7": 2.05, "
         ({2: 10, 3: 10, 4: 10, 5: 10, 6: 10, 7: 10, 8: 10}, 5),
     ],
 )
-def test_the_block_of_highest_tau_per_cycle_wins(fitted, monkeypatch, verify_ms, best):
-    def timed(target, drafter, sizes, **_) -> dict[int, float]:
-        return {size: verify_ms[size] / 1e3 for size in sizes}
-
-    target, drafter = fitted
-    monkeypatch.setattr(block_choice, "time_cycles", timed)
+def test_the_block_of_highest_tau_per_cycle_wins(fitted, verify_ms, best):
+    # The draft is free here, so a cycle of B costs a verify of B rows.
+    verify = [verify_ms.get(rows, verify_ms[2]) / 1e3 for rows in range(1, 9)]
+    costs = CycleCosts(verify=verify, draft={size: 1e-9 for size in range(2, 9)})
+    _, drafter = fitted
     drafter.generation_config.block_tau = BLOCK_TAU
     try:
-        choice = choose_block_size(target, drafter)
+        choice = choose_block_size(drafter, costs)
     finally:
         drafter.generation_config.block_tau = None
     assert choice.block_size == best
@@ -45,13 +46,15 @@ def test_the_block_of_highest_tau_per_cycle_wins(fitted, monkeypatch, verify_ms,
     assert f"* block {best}:" in choice.summary()
 
 
-def test_cycle_timing_leaves_the_drafter_as_it_was(fitted):
+def test_cost_timing_leaves_the_drafter_as_it_was_and_is_monotone(fitted):
     target, drafter = fitted
     block, assistant_tokens = drafter.config.block_size, drafter.generation_config.num_assistant_tokens
     prompt = torch.arange(3, 19)[None]
     before = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
-    seconds = time_cycles(target, drafter, [2, 5, 8], context_length=32, repeats=2)
-    assert sorted(seconds) == [2, 5, 8] and all(s > 0 for s in seconds.values())
+    costs = measure_cycle_costs(target, drafter, [2, 5, 8], max_rows=8, context_length=32, repeats=3)
+    assert len(costs.verify) == 8 and sorted(costs.draft) == [2, 5, 8]
+    assert all(0 < a <= b for a, b in zip(costs.verify, costs.verify[1:]))  # the monotone fit
+    assert costs.draft[2] <= costs.draft[5] <= costs.draft[8] and costs.spread >= 0
     assert (drafter.config.block_size, drafter.generation_config.num_assistant_tokens) == (block, assistant_tokens)
     after = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
     assert torch.equal(before, after)

@@ -91,7 +91,7 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
     assert config["model_type"] == "dcoco" and config["architectures"] == ["DCOCODrafter"]
     assert config["top_k"] == 4 and config["block_size"] == 6 and config["target_layer_ids"] == [1]
     generation = json.loads((folder / "generation_config.json").read_text())
-    assert generation["num_assistant_tokens"] == 5 and generation["num_assistant_tokens_schedule"] == "constant"
+    assert generation["num_assistant_tokens"] == 5 and generation["num_assistant_tokens_schedule"] == "cost"
 
     with safe_open(str(folder / "model.safetensors"), "pt") as file:
         keys = set(file.keys())

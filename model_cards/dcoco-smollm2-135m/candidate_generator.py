@@ -18,10 +18,11 @@ probability q_target(y) and resamples from q_target restricted to v != y, which 
 from __future__ import annotations
 
 import sys
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.candidate_generator import AssistedCandidateGenerator, CandidateGenerator
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -29,6 +30,13 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .context_cache import DraftContextCache
+from .proposal import (
+    COST_SCHEDULE,
+    chain_labels,
+    next_plain_run,
+    slot_confidence,
+    update_recent,
+)
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
@@ -52,6 +60,12 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         generation_config: the target's generation config (unused beyond validation; kept for the transformers API).
         selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's (`decoding`).
         correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
+        driver: transformers' `AssistedCandidateGenerator` of the call (`assisted_driver`), through which the
+            cost-aware schedule takes plain steps (k = 0); None proposes at least one token every cycle.
+
+    Each cycle proposes k tokens of the drafted block: under the cost-aware schedule (the default) the k of most
+    expected tokens per second (`proposal.py`), else as many as transformers asks for (`num_assistant_tokens`,
+    which the "heuristic" schedule moves).
     """
 
     def __init__(
@@ -61,6 +75,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         selection: str | None = None,
         correct: bool = True,
         stopping_criteria: StoppingCriteriaList | None = None,
+        driver: AssistedCandidateGenerator | None = None,
     ) -> None:
         self.drafter = drafter
         self.target = drafter.target  # raises the clear "not attached" error
@@ -81,7 +96,20 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._ended: TapCounters | None = None  # the tap's counters when the call ended
         # Phase times on a GPU need a device sync per phase, which stalls it: only when asked (the bench asks).
         self.timed = drafter.time_phases
-        self.tap.listen(self, timed=self.timed)
+        generation = drafter.generation_config
+        self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
+        self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
+        self.driver = driver if self.schedule is not None else None
+        self._driver_tokens = driver.num_assistant_tokens if self.driver is not None else 0
+        self.recent = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0  # running slot-1 rate
+        self.plain_run = 0  # the last run of plain steps the schedule planned
+        self.plain_left = 0  # plain steps still to take before the next draft
+        self._unlabelled: list[tuple[int, list[int], list[float], list[float], float]] = []
+        self._cycle_start: float | None = None  # when the previous get_candidates started
+        self._drafted = 0  # cycles drafted in this call
+        self._plain_since_draft = 0  # plain steps the schedule took since the last draft
+        on_forward = self._on_target_forward if self.driver is not None else None
+        self.tap.listen(self, timed=self.timed, on_forward=on_forward)
 
     def get_candidates(
         self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs: Any
@@ -99,21 +127,72 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             )
         committed = input_ids[0]
         self._finish_cycle(committed)
+        self._label_drafts(committed)
         context, positions = self._new_context(committed)
         length = committed.shape[0]
-        block_positions = torch.arange(length - 1, length - 1 + self.drafter.config.block_size, device=input_ids.device)
+        block = self.drafter.config.block_size
+        block_positions = torch.arange(length - 1, length - 1 + block, device=input_ids.device)
         position_ids = torch.cat([positions, block_positions])[None]
         proposal = self.drafter.propose(
             committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
             context_ids=committed[None], timed=self.timed,
         )
-        limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
-        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :limit], proposal.candidates[0, 0])
+        cap = block - 1 if max_new_tokens is None else min(max_new_tokens, block - 1)
+        k = self._proposal_length(proposal, length, cap)
+        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0])
         self.stats.drafter_seconds += proposal.backbone_seconds
         self.stats.corrector_seconds += proposal.corrector_seconds
         self._pending_cycle = (length, tokens.shape[1], self.tap.forward_count, proposal)
         self._last_committed = committed
+        self._drafted += 1
+        self._plain_since_draft = 0
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
+
+    def _proposal_length(self, proposal: DraftProposal, length: int, cap: int) -> int:
+        """How many of the drafted tokens to propose (see the class docstring), and, under the cost-aware schedule,
+        how many plain steps to take before the next draft."""
+        if self.schedule is None:
+            return cap
+        confidence = slot_confidence(
+            proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
+        )[0].tolist()  # [S]
+        predicted = self.schedule.acceptance.predict(confidence, self.recent)
+        choice = self.schedule.choose(predicted, cap, self.floor, self.drafter.config.block_size)
+        if self._drafted:  # the call's first draft precedes the prompt's forward: it has no context to go by
+            self._unlabelled.append((length, proposal.tokens[0].tolist(), confidence, predicted, self.recent))
+            self.plain_run = next_plain_run(choice.gain, self.plain_run)
+            if self.plain_run and self.driver is not None:
+                self.plain_left, self.driver.num_assistant_tokens = self.plain_run, 0
+        return choice.k
+
+    def _on_target_forward(self, width: int) -> None:
+        """After each target forward (the tap): count the plain steps taken instead of drafts, and draft again
+        after the planned run."""
+        if self.plain_left and width == 1:
+            self.plain_left -= 1
+            self._plain_since_draft += 1
+            self.stats.observe_plain_steps()
+            if not self.plain_left:
+                self.driver.num_assistant_tokens = self._driver_tokens
+
+    def _label_drafts(self, committed: torch.LongTensor, final: bool = False) -> None:
+        """Teach the acceptance fit from the drafted blocks whose fate the committed text now settles: every slot
+        up to the first wrong one, proposed or not (`chain_labels`)."""
+        if not self._unlabelled:
+            return
+        known = committed.tolist()
+        waiting = []
+        for entry in self._unlabelled:
+            length, proposed, confidence, predicted, recent = entry
+            labels = chain_labels(proposed, known[length : length + len(proposed)])
+            if not final and len(labels) < len(proposed) and all(labels):
+                waiting.append(entry)  # every slot so far right: the next ones are not committed yet
+                continue
+            if labels:
+                self.schedule.acceptance.observe(confidence, recent, labels)
+                self.stats.observe_prediction(predicted, labels)
+                self.recent = update_recent(self.recent, labels[0])
+        self._unlabelled = waiting
 
     def end_call(self) -> None:
         """The generate() call is over (returned or raised): stop recording the target, keep the statistics."""
@@ -123,7 +202,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.tap.stop(self)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        """DCOCO blocks have a fixed length: nothing to adapt."""
+        """Unused: the engine learns from the committed text itself (`_label_drafts`), which also settles the slots
+        it drafted but did not propose; transformers calls the assisted generator's method, not this one."""
 
     @property
     def vocab_size(self) -> int:
@@ -140,7 +220,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 raise RuntimeError(_OTHER_CALL)
             return
         self._check_same_call(sequences[0])
-        self._finish_cycle(sequences[0])
+        self._finish_cycle(sequences[0], timed=False)  # transformers returned long after this cycle ended
+        self._label_drafts(sequences[0], final=True)
         self._book_coverage(sequences[0])
         self._closed_sequence = sequences[0].clone()
         counters = self._tap_counters()
@@ -180,25 +261,37 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             return torch.zeros(0, width, device=device, dtype=self.drafter.dtype), committed.new_zeros(0)
         return torch.cat(rows), torch.cat(positions)
 
-    def _finish_cycle(self, committed: torch.LongTensor) -> None:
-        """Book the previous cycle now that its committed tokens are known."""
+    def _finish_cycle(self, committed: torch.LongTensor, timed: bool = True) -> None:
+        """Book the previous cycle now that its committed tokens are known: acceptance, and with `timed` its wall
+        time (since the previous draft; plain steps taken in between included)."""
+        now = time.perf_counter()
+        started, self._cycle_start = self._cycle_start, now
         if self._pending_cycle is None:
             return
         length, drafted, forwards_before, proposal = self._pending_cycle
         self._pending_cycle = None
         forward_count = self._tap_counters().forwards
-        if forward_count == forwards_before:
+        forwards = forward_count - forwards_before
+        if forwards == 0:
             raise RuntimeError(
                 "The drafter's target ran no forward since the last draft: generate() was called on a different "
                 "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
                 "generate with."
             )
         new = committed.shape[0] - length
-        # Every target forward commits one token of its own. Only the first one after the draft verified it; more
-        # follow only at the end of a call, when transformers has stopped drafting (no room left for a draft).
-        accepted = max(0, min(new - (forward_count - forwards_before), drafted))
+        # Every target forward commits one token of its own: the first one after the draft verified it; the others
+        # were plain steps (the schedule's, or at the end of a call, when no room is left for a draft).
+        accepted = max(0, min(new - forwards, drafted))
         self.stats.observe_draft(drafted, accepted, new)
         self._slot_candidates.append((length, proposal.candidates[0]))
+        costs = self.schedule.costs if self.schedule is not None else None
+        if timed and costs is not None and started is not None and self._drafted > 1:
+            wall = now - started
+            block = self.drafter.config.block_size
+            modelled = costs.cycle(drafted, block) + (forwards - 1) * costs.plain
+            self.schedule.observe_loop((wall - modelled) / forwards)
+            self.stats.plain_estimate_seconds += new * costs.plain
+            self.stats.cycle_wall_seconds += wall
 
     def _check_same_call(self, sequence: torch.LongTensor) -> None:
         forward_count, _, forward_starts, _ = self._tap_counters()
@@ -212,7 +305,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             last is not None
             and sequence.shape[0] >= last.shape[0]
             and torch.equal(sequence[: last.shape[0]].to(last.device), last)
-            and len(later_starts) <= 2
+            and len(later_starts) <= 2 + self._plain_since_draft
             and all(start >= last.shape[0] - 1 for start in later_starts)
         )
         if not same:
@@ -290,6 +383,25 @@ def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | Non
         if frame.f_code.co_name == "_assisted_decoding":
             criteria = frame.f_locals.get("stopping_criteria")
             return criteria if isinstance(criteria, StoppingCriteriaList) else None
+        frame = frame.f_back
+    return None
+
+
+def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
+    """transformers' `AssistedCandidateGenerator` now calling the drafter's `generate()`, or None.
+
+    It asks the drafter for `num_assistant_tokens` tokens each cycle and, when that is 0, runs a plain step without
+    asking (transformers 5.x, `_calculate_new_tokens`): the only way an assistant can take a plain step, since it
+    may not return an empty proposal. It is the caller a few frames up the stack; when transformers changes that
+    layout the cost-aware schedule proposes at least one token every cycle instead (still lossless).
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, AssistedCandidateGenerator) and isinstance(owner.num_assistant_tokens, int | float):
+            return owner
         frame = frame.f_back
     return None
 

@@ -40,7 +40,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import cached_file
 
-from .candidate_generator import DCOCOCandidateGenerator, assisted_stopping_criteria
+from .candidate_generator import DCOCOCandidateGenerator, assisted_driver, assisted_stopping_criteria
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
@@ -48,6 +48,7 @@ from .device import device_sync
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
 from .logs import log, logger
 from .precision import precision_notes
+from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
 from .tap import TargetTap, decoder_layers
 from .tuning import Tuning, untune
 from .tuning import tune as tune_for_device
@@ -184,9 +185,10 @@ class DCOCOGenerationConfig(GenerationConfig):
         config = model_config.to_dict()
         config.pop("top_k", None)  # the corrector's candidate count, not a sampling setting
         generation_config = GenerationConfig.from_model_config(config)
-        # A DCOCO block has a fixed length, and no confidence-based early stop.
+        # num_assistant_tokens caps each cycle's proposal; the cost-aware schedule sizes it per cycle (proposal.py),
+        # and assistant_confidence_threshold is a floor on a slot's predicted acceptance.
         generation_config.num_assistant_tokens = model_config.block_size - 1
-        generation_config.num_assistant_tokens_schedule = "constant"
+        generation_config.num_assistant_tokens_schedule = COST_SCHEDULE
         generation_config.assistant_confidence_threshold = 0.0
         generation_config.use_corrector = True  # False drafts plain DFlash argmax blocks (the bench's baseline)
         # The decoding choices: defaults, or what a config.json written before they moved here holds.
@@ -259,6 +261,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self._unhook: weakref.finalize | None = None
         self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
         self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self._schedule: ProposalSchedule | None = None  # the cost-aware schedule's state, kept across calls
         self.post_init()
 
     # ------------------------------------------------------------------ construction and attachment
@@ -352,7 +355,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self._unhook = None
         if self._tuning is not None and target is not None:
             untune(target, self, self._tuning)
-        self._target_ref, self._tap, self._tuning, self._draft_head = None, None, None, None
+        self._target_ref, self._tap, self._tuning, self._draft_head, self._schedule = None, None, None, None, None
         return self
 
     @property
@@ -360,6 +363,34 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         """Whether drafting and the tap wait for the device to time each phase (`generation_config.time_phases`;
         exact times on a GPU at one sync per phase, which the bench asks for; on CPU times are exact anyway)."""
         return bool(getattr(self.generation_config, "time_phases", False))
+
+    @property
+    def proposal_schedule_name(self) -> str:
+        """How each cycle's proposal length is chosen (`generation_config.num_assistant_tokens_schedule`): "cost"
+        (the default: the length of most expected tokens per second, `proposal.py`), "constant" (every slot of the
+        block, up to `num_assistant_tokens`) or transformers' "heuristic"."""
+        return check_schedule(getattr(self.generation_config, "num_assistant_tokens_schedule", "constant"))
+
+    @property
+    def proposal_schedule(self) -> ProposalSchedule:
+        """The cost-aware schedule's state for the block drafted now: the cycle costs `attach` timed here (None
+        untuned: then every slot is proposed) and the acceptance fit, which learns across calls from the drafter's
+        `block_tau` prior on. Assign `drafter.cycle_costs` to use other costs."""
+        slots = self.config.block_size - 1
+        schedule = self._schedule
+        if schedule is None or schedule.acceptance.slots != slots:
+            costs = schedule.costs if schedule is not None else (self._tuning.costs if self._tuning else None)
+            prior = chain_prior(self.decoding.block_tau, slots)
+            schedule = self._schedule = ProposalSchedule(costs, AcceptanceModel(prior))
+        return schedule
+
+    @property
+    def cycle_costs(self) -> CycleCosts | None:
+        return self.proposal_schedule.costs
+
+    @cycle_costs.setter
+    def cycle_costs(self, costs: CycleCosts | None) -> None:
+        self.proposal_schedule.costs = costs
 
     @property
     def decoding(self) -> DecodingChoices:
@@ -389,7 +420,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         # Copies and pickles carry weights, not the binding to a live target (re-attach the copy).
         state = super().__getstate__()
         state.update(
-            _target_ref=None, _tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _draft_head=None
+            _target_ref=None, _tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _draft_head=None,
+            _schedule=None,
         )
         return state
 
@@ -813,7 +845,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
         correct = getattr(self.generation_config, "use_corrector", True)
         engine = handle.engine = DCOCOCandidateGenerator(
-            self, generation_config, correct=correct, stopping_criteria=criteria
+            self, generation_config, correct=correct, stopping_criteria=criteria, driver=assisted_driver()
         )
         weakref.finalize(handle, engine.end_call)
         self._last_engine = engine

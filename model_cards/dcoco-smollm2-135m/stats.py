@@ -21,11 +21,11 @@ import torch
 # Counters kept per drafted slot (index 0 = slot 1); they grow to the longest block observed.
 _SLOT_COUNTERS = (
     "slot_proposed", "slot_reached", "slot_accepted", "slot_seen", "slot_top1", "slot_topk", "prefix_top1",
-    "prefix_topk", "prefix_walk",
+    "prefix_topk", "prefix_walk", "slot_predicted", "slot_labelled", "slot_label_accepted",
 )
 _SCALAR_COUNTERS = (
     "cycles", "committed_tokens", "target_forwards", "drafter_seconds", "corrector_seconds", "target_seconds",
-    "prefill_seconds",
+    "prefill_seconds", "plain_estimate_seconds", "cycle_wall_seconds",
 )
 
 
@@ -61,6 +61,17 @@ class DCOCOStats:
     prefix_top1: list[int] = field(default_factory=list)
     prefix_topk: list[int] = field(default_factory=list)
     prefix_walk: list[int] = field(default_factory=list)
+    # the proposal length: cycles per tokens proposed (index 0: plain steps the schedule took instead of a draft)
+    proposal_lengths: list[int] = field(default_factory=list)
+    # per drafted slot, over the blocks the cost-aware schedule labelled (the slot reached: every slot before it
+    # right): the acceptance it predicted (summed), how many were labelled, how many were right
+    slot_predicted: list[float] = field(default_factory=list)
+    slot_labelled: list[int] = field(default_factory=list)
+    slot_label_accepted: list[int] = field(default_factory=list)
+    # over the cycles the engine timed: what plain steps would have taken for their tokens (the cost model's plain
+    # step), and their wall time
+    plain_estimate_seconds: float = 0.0
+    cycle_wall_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self._grow(self.block_size - 1)
@@ -76,6 +87,7 @@ class DCOCOStats:
         """One verification: `drafted` tokens proposed, the first `accepted` of them taken and `committed` tokens
         written in all (default accepted + 1: the target's own token after the accepted drafts)."""
         self._grow(drafted)
+        self._count_length(drafted)
         self.cycles += 1
         self.committed_tokens += accepted + 1 if committed is None else committed
         self.accepted.append(accepted)
@@ -83,6 +95,23 @@ class DCOCOStats:
             self.slot_proposed[slot] += 1
             self.slot_reached[slot] += slot <= accepted
             self.slot_accepted[slot] += slot < accepted
+
+    def observe_plain_steps(self, count: int = 1) -> None:
+        """Plain 1-token steps taken instead of a draft (proposal length 0); their tokens are counted by the next
+        `observe_draft`'s `committed`."""
+        self._count_length(0, count)
+
+    def observe_prediction(self, predicted: list[float], labels: list[bool]) -> None:
+        """One drafted block's predicted chain acceptance per slot against what happened (`chain_labels`)."""
+        self._grow(len(labels))
+        for slot, (p, label) in enumerate(zip(predicted, labels)):
+            self.slot_predicted[slot] += p
+            self.slot_labelled[slot] += 1
+            self.slot_label_accepted[slot] += label
+
+    def _count_length(self, k: int, count: int = 1) -> None:
+        self.proposal_lengths += [0] * (k + 1 - len(self.proposal_lengths))
+        self.proposal_lengths[k] += count
 
     def observe_candidates(self, hits: torch.Tensor) -> None:
         """One drafted block's candidates against the tokens finally committed there: hits [s, K] is True where
@@ -108,6 +137,10 @@ class DCOCOStats:
         for name in _SCALAR_COUNTERS:
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         merged.accepted = self.accepted + other.accepted
+        lengths = max(len(self.proposal_lengths), len(other.proposal_lengths))
+        merged.proposal_lengths = [
+            a + b for a, b in zip(_padded(self.proposal_lengths, lengths), _padded(other.proposal_lengths, lengths))
+        ]
         width = max(len(getattr(stats, name)) for stats in (self, other) for name in _SLOT_COUNTERS)
         for name in _SLOT_COUNTERS:
             mine, theirs = _padded(getattr(self, name), width), _padded(getattr(other, name), width)
@@ -156,6 +189,15 @@ class DCOCOStats:
             return None
         return 1 + sum(n / d for n, d in zip(prefixes[runs], self.slot_seen) if d)
 
+    @property
+    def seconds_saved(self) -> float | None:
+        """Plain steps' estimated time for the timed cycles' tokens less their wall time (negative: time lost)."""
+        return self.plain_estimate_seconds - self.cycle_wall_seconds if self.cycle_wall_seconds else None
+
+    def predicted_accept(self) -> list[float | None]:
+        """Per slot, the mean acceptance the schedule predicted over the blocks that reached the slot."""
+        return [p / n if n else None for p, n in zip(self.slot_predicted, self.slot_labelled)]
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "cycles": self.cycles,
@@ -171,6 +213,10 @@ class DCOCOStats:
             "argmax_prefix_tau": self.prefix_tau("top1"),
             "topk_ceiling_tau": self.prefix_tau("topk"),
             "walk_ceiling_tau": self.prefix_tau("walk"),
+            "proposal_lengths": {str(k): n for k, n in enumerate(self.proposal_lengths) if n},
+            "predicted_accept": self.predicted_accept(),
+            "observed_accept": _ratios(self.slot_label_accepted, self.slot_labelled),
+            "seconds_saved": self.seconds_saved,
             "drafter_seconds": self.drafter_seconds,
             "corrector_seconds": self.corrector_seconds,
             "target_seconds": self.target_seconds,

@@ -7,8 +7,9 @@ three things decide it, each measured once per machine and model pair:
   ``"sdpa_cpu_gqa"`` (`cpu_attention.py`) lets torch's CPU kernel do grouped heads itself;
 * the linear layers: torch's CPU GEMM is slow for 2-16 rows, so each model gets the few-rows layout measured fastest
   here (`cpu_linear.py`);
-* the block size: DScout's throughput rule, the block of highest recorded tau per timed cycle (`block_choice.py`),
-  which on a GPU is the only choice made.
+* the cycle's costs: a plain step, a verify forward of 2..B rows, a draft (`block_choice.measure_cycle_costs`), which
+  the default cost-aware schedule weighs every cycle to size its proposal (`proposal.py`), and from which the
+  constant schedule takes DScout's block of highest recorded tau per cycle time; on a GPU these are the only ones.
 
 Plain 1-token steps keep transformers' own attention and `F.linear`, so plain `generate()` of the target is
 bit-identical while attached, and `untune` (called by `drafter.detach()`) restores it exactly.
@@ -36,6 +37,7 @@ from .block_choice import (
     BlockSizeChoice,
     candidate_block_sizes,
     choose_block_size,
+    measure_cycle_costs,
     set_block_size,
 )
 from .cpu_attention import CPU_GQA_ATTENTION
@@ -46,12 +48,13 @@ from .cpu_linear import (
     use_few_rows_linear,
 )
 from .logs import logger
+from .proposal import COST_SCHEDULE, CycleCosts
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
 
 # Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Tuning:
     target_layout: dict[int, str] | None = None  # few-rows plan {rows: layout}, CPU only
     drafter_layout: dict[int, str] | None = None
     block_choice: BlockSizeChoice | None = None
+    costs: CycleCosts | None = None  # the cycle's parts timed here: what the cost-aware schedule weighs
     block_size: int | None = None  # the block drafted after tuning
     configured_block_size: int | None = None  # the drafter's block before it
     cache_file: Path | None = None
@@ -83,6 +87,9 @@ class Tuning:
             parts.append(f"block size {self.block_size} (highest tau per cycle time among {sizes[0]}-{sizes[-1]})")
         elif self.block_size is not None:
             parts.append(f"block size {self.block_size}")
+        if self.costs is not None:
+            parts.append(f"plain step {1e3 * self.costs.plain:.1f} ms, verify of {self.costs.max_rows} rows "
+                         f"{self.costs.verify[-1] / self.costs.plain:.2f}x it (spread {100 * self.costs.spread:.0f}%)")
         parts.extend(self.notes)
         if self.cache_file is not None:
             parts.append(f"{'measurements read from' if self.from_cache else 'measured and cached in'} {self.cache_file}")
@@ -122,8 +129,9 @@ def tune(
 ) -> Tuning:
     """Make `target` and its attached `drafter` fast on their device; returns what was done (see `Tuning`).
 
-    block_size: "auto" drafts the block of highest recorded tau (`drafter.decoding.block_tau`) per cycle timed here (the
-        configured block when no tau is recorded), or a fixed size.
+    block_size: "auto" drafts the largest trained block under the cost-aware schedule (each cycle proposes the share
+        of it that pays), and under the constant one the block of highest recorded tau (`drafter.decoding.block_tau`)
+        per cycle timed here (the configured block when no tau is recorded); or a fixed size.
     extra_block_sizes: further blocks the caller will draft (e.g. a bench's dcoco@5), laid out for on CPU.
     batch_size: rows per forward the CPU layouts must cover (a batched verify has batch_size blocks).
     few_rows_linear / gqa_attention: the two CPU measures, each on by default.
@@ -133,10 +141,13 @@ def tune(
     device = next(target.parameters()).device
     configured = drafter.config.block_size
     auto = block_size == "auto"
+    cost_aware = drafter.proposal_schedule_name == COST_SCHEDULE
     choices = candidate_block_sizes(drafter) if auto and drafter.decoding.block_tau is not None else []
     if not auto:
         set_block_size(drafter, int(block_size))
-    blocks = [drafter.config.block_size, *choices, *extra_block_sizes]
+    elif cost_aware:  # draft the largest block; each cycle proposes the share of it that pays
+        set_block_size(drafter, drafter.config.largest_block_size)
+    blocks = sorted({drafter.config.block_size, *choices, *extra_block_sizes})
     on_cpu = device.type == "cpu"
     max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
@@ -147,7 +158,7 @@ def tune(
                 model.set_attn_implementation(CPU_GQA_ATTENTION)
         tuning.attention = ("sdpa", CPU_GQA_ATTENTION)
     attention = target.config._attn_implementation
-    key = _cache_key(target, drafter, device, max_rows, choices, few_rows_linear and on_cpu, attention)
+    key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
     cached = None if refresh else _read(path)
     tuning.cache_file, tuning.from_cache = path, cached is not None
@@ -156,8 +167,12 @@ def tune(
     if on_cpu and few_rows_linear:
         tuning.target_layout = _lay_out(target, max_rows, cached.get("target_layout"))
         tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
-    if choices:
-        tuning.block_choice = _block_choice(cached.get("block_choice")) or choose_block_size(target, drafter, choices)
+    # After the layouts: the costs are those of the forwards as they will run.
+    tuning.costs = _cycle_costs(cached.get("cycle_costs")) or measure_cycle_costs(
+        target, drafter, blocks, max_rows=max(blocks)
+    )
+    if choices and not cost_aware:
+        tuning.block_choice = choose_block_size(drafter, tuning.costs, choices)
         set_block_size(drafter, tuning.block_choice.block_size)
     tuning.block_size = drafter.config.block_size
     if path is not None and not tuning.from_cache:
@@ -202,17 +217,17 @@ def _lay_out(model: nn.Module, max_rows: int, cached: dict[str, str] | None) -> 
     return use_few_rows_linear(model, max_rows=max_rows)
 
 
-def _block_choice(cached: dict[str, Any] | None) -> BlockSizeChoice | None:
-    if not cached:
+def _cycle_costs(cached: Any) -> CycleCosts | None:
+    if cached is None:
         return None
-    return BlockSizeChoice(
-        int(cached["block_size"]),
-        {int(b): float(t) for b, t in cached["tau"].items()},
-        {int(b): float(s) for b, s in cached["cycle_seconds"].items()},
-    )
+    try:
+        return CycleCosts.from_dict(cached)
+    except (TypeError, ValueError) as error:  # another shape: measure again
+        logger.warning("ignoring cached cycle costs of another shape (%s); measuring again", error)
+        return None
 
 
-def _cache_key(target, drafter, device, max_rows, choices, layouts, attention) -> str:
+def _cache_key(target, drafter, device, max_rows, blocks, layouts, attention) -> str:
     """A hash of everything the measurements depend on: machine, software, thread count, both models, what is
     measured. The drafter's block_size is left out (tuning sets it); its decoding choices (block_tau, the walk) are
     in."""
@@ -225,7 +240,7 @@ def _cache_key(target, drafter, device, max_rows, choices, layouts, attention) -
         "target": _model_identity(target),
         "drafter": {**drafter_config, "_dtype": str(drafter.dtype), "_decoding": asdict(drafter.decoding)},
         "max_rows": max_rows,
-        "choices": choices,
+        "blocks": blocks,
         "layouts": layouts,
         "attention": attention,
     }
@@ -252,15 +267,12 @@ def _read(path: Path | None) -> dict[str, Any] | None:
 
 
 def _write(path: Path, tuning: Tuning) -> None:
-    choice = tuning.block_choice
     data = {
         "version": _CACHE_VERSION,
         "device": tuning.device,
         "target_layout": tuning.target_layout,
         "drafter_layout": tuning.drafter_layout,
-        "block_choice": None if choice is None else {
-            "block_size": choice.block_size, "tau": choice.tau, "cycle_seconds": choice.cycle_seconds,
-        },
+        "cycle_costs": None if tuning.costs is None else tuning.costs.to_dict(),
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,316 @@
+"""Per-cycle proposal length: how many drafted tokens each cycle hands the target to verify (a leaf module).
+
+A block drafter drafts every slot of its block in one forward, so a draft costs about the same whatever share of it
+is proposed; what the proposal length k changes is the verify forward (k + 1 rows, dearer per row on a CPU) and how
+many tokens that forward may commit. Each cycle the cost-aware schedule proposes the k of most expected committed
+tokens per second:
+
+    E[committed | k] = 1 + sum_{i <= k} prod_{j <= i} p_j     (prefix-first: verification stops at the first error)
+    T(k)             = draft + verify(k + 1) + loop           T(0) = verify(1) + loop: a plain step
+
+p_j is the chance that slot j is accepted given that every slot before it was (the chain acceptance of DScout and of
+the DCOCO paper's prefix-first analysis). It is predicted per slot from the slot's confidence, the probability the
+walk's own scores give the chosen candidate (the corrector's transition scores when it ran, else the drafter's
+logits), and from how well drafts fared in the call so far; an online logistic fit calibrates it from what the
+target committed, every drafted slot counted (a slot that was not proposed is labelled by whether the committed token
+there equals it), starting from the drafter's `block_tau` (tau per block size implies the chain acceptance).
+
+The costs come from `CycleCosts`, timed when the drafter is attached (`block_choice.measure_cycle_costs`): robust to a
+noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine. A cycle whose best proposal
+is not expected to beat a plain step makes the next cycles plain steps (k = 0: no draft, a 1-row forward), for 1, 2,
+4, ... up to `MAX_PLAIN_RUN` cycles while drafts keep failing, so a drafter that cannot guess the text costs a draft
+now and then instead of every cycle.
+
+Lossless whatever k is: the target verifies every proposed token, and k depends only on the drafter's side.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# The schedules `num_assistant_tokens_schedule` may name (the drafter's generation config).
+COST_SCHEDULE = "cost"
+SCHEDULES = (COST_SCHEDULE, "constant", "heuristic", "heuristic_transient")
+MAX_PLAIN_RUN = 16  # longest run of plain steps between two drafts that probe whether drafting pays again
+_RECENT_DECAY = 0.25  # weight of the newest slot-1 outcome in a call's running acceptance
+_LEARNING_RATE = 0.05
+_EPS = 1e-3
+
+
+def check_schedule(name: str) -> str:
+    """The schedule `name`, or a ValueError naming the choices."""
+    if name not in SCHEDULES:
+        raise ValueError(
+            f"num_assistant_tokens_schedule={name!r} (the drafter's generation config): choose one of {SCHEDULES}: "
+            f"'{COST_SCHEDULE}' picks each cycle's proposal length from predicted acceptance and measured costs, "
+            "'constant' proposes num_assistant_tokens every cycle, 'heuristic' is transformers' rule (+2 after a "
+            "fully accepted block, -1 otherwise)."
+        )
+    return name
+
+
+# ------------------------------------------------------------------------------------------------- the costs
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in squared error (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [mean for mean, weight in blocks for _ in range(int(weight))]
+
+
+@dataclass
+class CycleCosts:
+    """Seconds of the parts of one speculation cycle on one device, for one target and drafter.
+
+    verify[n - 1]: a target forward of n rows on a cached context (n = 1 is a plain decoding step);
+    draft[B]: drafting and correcting a block of B; both non-decreasing (a monotone fit of medians).
+    spread: the timings' median relative interquartile range (how noisy the machine was while timing).
+    """
+
+    verify: list[float]
+    draft: dict[int, float]
+    spread: float = 0.0
+
+    @classmethod
+    def fit(cls, verify: Mapping[int, Sequence[float]], draft: Mapping[int, Sequence[float]]) -> CycleCosts:
+        """From repeated timings per size ({rows: [seconds]}, {block: [seconds]}): medians, made monotone."""
+        rows = sorted(verify)
+        if rows != list(range(1, len(rows) + 1)):
+            raise ValueError(f"verify timings must cover 1..n rows, got {rows}")
+        blocks = sorted(draft)
+        spreads = [_relative_iqr(samples) for samples in [*verify.values(), *draft.values()]]
+        return cls(
+            verify=isotonic([statistics.median(verify[n]) for n in rows]),
+            draft=dict(zip(blocks, isotonic([statistics.median(draft[b]) for b in blocks]))),
+            spread=statistics.median(spreads) if spreads else 0.0,
+        )
+
+    @property
+    def plain(self) -> float:
+        return self.verify[0]
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.verify)
+
+    def cycle(self, k: int, block: int) -> float:
+        """Seconds of a cycle proposing k tokens of a drafted block of `block` (k = 0: a plain step, no draft)."""
+        if k == 0:
+            return self.plain
+        return self.draft_seconds(block) + self.verify[min(k, self.max_rows - 1)]
+
+    def draft_seconds(self, block: int) -> float:
+        timed = [b for b in self.draft if b >= block] or [max(self.draft)]
+        return self.draft[min(timed)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verify": self.verify, "draft": {str(b): s for b, s in self.draft.items()}, "spread": self.spread}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CycleCosts:
+        """Read what `to_dict` wrote; a ValueError for anything else (a cache file of another shape)."""
+        if not isinstance(data, Mapping):
+            raise ValueError("cycle costs must be a mapping")
+        verify, draft, spread = data.get("verify"), data.get("draft"), data.get("spread", 0.0)
+        if not isinstance(verify, list) or not verify or not isinstance(draft, Mapping) or not draft:
+            raise ValueError("cycle costs need a non-empty 'verify' list and 'draft' mapping")
+        verify = [_positive_seconds(v) for v in verify]
+        draft = {int(b): _positive_seconds(s) for b, s in draft.items()}
+        if verify != isotonic(verify) or any(not 2 <= b <= 64 for b in draft) or len(verify) > 128:
+            raise ValueError("cycle costs out of range (verify must be non-decreasing, blocks in [2, 64])")
+        return cls(verify, draft, float(spread))
+
+
+def _positive_seconds(value: Any) -> float:
+    seconds = float(value)
+    if not (math.isfinite(seconds) and 0.0 < seconds < 3600.0):
+        raise ValueError(f"a cost of {value!r} seconds")
+    return seconds
+
+
+def _relative_iqr(samples: Sequence[float]) -> float:
+    if len(samples) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return (q3 - q1) / max(statistics.median(samples), 1e-12)
+
+
+# ------------------------------------------------------------------------------------------- the acceptance
+
+
+def chain_prior(block_tau: Mapping[str, float] | None, slots: int) -> list[float]:
+    """Per slot, the chance it is accepted given every slot before it was, implied by tau per block size: a block
+    of B commits tau(B) = 1 + sum_{i < B} prod_{j <= i} p_j tokens per verify, so prod_{j <= i} p_j = tau(i + 1) -
+    tau(i). Unmeasured slots repeat the last measured rate; 0.5 everywhere without `block_tau`."""
+    if not block_tau:
+        return [0.5] * slots
+    tau = {1: 1.0, **{int(b): float(t) for b, t in block_tau.items()}}
+    survival, prior = 1.0, []
+    for slot in range(1, slots + 1):
+        if slot + 1 in tau and slot in tau:
+            reach = min(max(tau[slot + 1] - tau[slot], _EPS * survival), survival)
+            prior.append(reach / survival)
+            survival = reach
+        else:
+            prior.append(prior[-1] if prior else 0.5)
+    return [min(max(p, 0.02), 0.98) for p in prior]
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, _EPS), 1 - _EPS)
+    return math.log(p / (1 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+class AcceptanceModel:
+    """p_j = sigmoid(bias_j + w_conf * logit(confidence_j) + w_recent * (logit(recent) - logit(prior_1))), fitted
+    online by logistic SGD on every labelled slot. Starts at the prior (w_conf = 0), with the call's running slot-1
+    acceptance shifting every slot alike until the fit says otherwise."""
+
+    def __init__(self, prior: Sequence[float], learning_rate: float = _LEARNING_RATE) -> None:
+        self.prior = list(prior)
+        self.bias = [_logit(p) for p in prior]
+        self.w_confidence = 0.0
+        self.w_recent = 1.0
+        self.learning_rate = learning_rate
+        self.observed = 0
+
+    @property
+    def slots(self) -> int:
+        return len(self.bias)
+
+    def _features(self, confidence: float, recent: float) -> tuple[float, float]:
+        return _logit(confidence), _logit(recent) - _logit(self.prior[0])
+
+    def predict(self, confidence: Sequence[float], recent: float) -> list[float]:
+        """Chain acceptance per slot for a block whose slots have these confidences."""
+        out = []
+        for slot, c in enumerate(confidence[: self.slots]):
+            x_conf, x_recent = self._features(c, recent)
+            out.append(_sigmoid(self.bias[slot] + self.w_confidence * x_conf + self.w_recent * x_recent))
+        return out
+
+    def observe(self, confidence: Sequence[float], recent: float, labels: Sequence[bool]) -> None:
+        """One block's labelled slots: labels[j] whether slot j was right, for the slots every earlier one of which
+        was right (the chain's condition), in order."""
+        for slot, (c, label) in enumerate(zip(confidence[: self.slots], labels)):
+            x_conf, x_recent = self._features(c, recent)
+            p = _sigmoid(self.bias[slot] + self.w_confidence * x_conf + self.w_recent * x_recent)
+            gradient = p - float(label)
+            self.bias[slot] -= self.learning_rate * gradient
+            self.w_confidence -= self.learning_rate * gradient * x_conf
+            self.w_recent -= self.learning_rate * gradient * x_recent
+            self.observed += 1
+
+
+def chain_labels(proposed: Sequence[int], committed: Sequence[int]) -> list[bool]:
+    """Whether each drafted slot held the token finally committed at its position, up to and including the first
+    that did not (the slots after it were never reached); `committed` may be shorter than the block."""
+    labels = []
+    for draft, token in zip(proposed, committed):
+        labels.append(draft == token)
+        if draft != token:
+            break
+    return labels
+
+
+def slot_confidence(
+    candidate_logits: torch.Tensor,
+    chosen: torch.LongTensor,
+    transition_scores: torch.Tensor | None,
+    first_slot_scores: torch.Tensor | None,
+) -> torch.Tensor:
+    """The probability the walk's scores give each chosen candidate: [B, S] in (0, 1].
+
+    candidate_logits [B, S, K] and chosen [B, S] as in `DraftProposal`; transition_scores [B, S - 1, K, K] (None when
+    the corrector did not run): slot j > 1 is scored by the row of its chosen predecessor; first_slot_scores [B, K]
+    score slot 1 when the corrector scores the anchor's transitions, else the drafter's slot-1 logits do."""
+    first = first_slot_scores if first_slot_scores is not None else candidate_logits[:, 0]  # [B, K]
+    if transition_scores is None:
+        rows = candidate_logits  # [B, S, K]
+    else:
+        previous = chosen[:, :-1, None, None].expand(-1, -1, 1, transition_scores.shape[-1])  # [B, S - 1, 1, K]
+        successors = transition_scores.gather(2, previous).squeeze(2)  # [B, S - 1, K]
+        rows = torch.cat([first[:, None], successors], dim=1)  # [B, S, K]
+    return rows.float().softmax(-1).gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+
+
+@dataclass(frozen=True)
+class ProposalChoice:
+    """k: tokens to propose; expected: expected tokens committed by that cycle; gain: its expected tokens per second
+    over a plain step's (below 1: drafting did not pay this cycle)."""
+
+    k: int
+    expected: float
+    gain: float
+
+
+@dataclass
+class ProposalSchedule:
+    """What the cost-aware schedule keeps across the calls of one attached drafter: the costs of this device and
+    the acceptance fit. `costs` None (an untuned drafter) proposes every slot, like the constant schedule."""
+
+    costs: CycleCosts | None
+    acceptance: AcceptanceModel
+    loop_seconds: float = 0.0  # per-cycle time outside the timed forwards, refined from the cycles themselves
+    _loop_samples: int = field(default=0, repr=False)
+
+    def choose(self, predicted: Sequence[float], cap: int, floor: float, block: int) -> ProposalChoice:
+        """The k in [1, cap] of most expected tokens per second, cut before the first slot predicted below `floor`
+        (transformers' `assistant_confidence_threshold`); a cycle that drafted proposes at least one token."""
+        expected, survival = [1.0], 1.0
+        for p in predicted[:cap]:
+            if p < floor and len(expected) > 1:
+                break
+            survival *= p
+            expected.append(expected[-1] + survival)
+        if self.costs is None:
+            k = len(expected) - 1
+            return ProposalChoice(k, expected[k], 1.0)
+        loop = self.loop_seconds
+        rates = [expected[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(expected))]
+        k = 1 + max(range(len(rates)), key=rates.__getitem__)
+        return ProposalChoice(k, expected[k], rates[k - 1] * (self.costs.plain + loop))
+
+    def observe_loop(self, seconds: float) -> None:
+        """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0)."""
+        self._loop_samples += 1
+        step = max(1.0 / self._loop_samples, 0.05)
+        self.loop_seconds = max(0.0, self.loop_seconds + step * (seconds - self.loop_seconds))
+
+
+def next_plain_run(gain: float, previous_run: int) -> int:
+    """Plain steps to take before the next draft, after a drafted cycle of expected `gain` over a plain step: none
+    while drafting pays, else twice the previous run (1, 2, 4, ...) up to `MAX_PLAIN_RUN`."""
+    if gain >= 1.0:
+        return 0
+    return min(max(1, 2 * previous_run), MAX_PLAIN_RUN)
+
+
+def update_recent(recent: float, accepted_first_slot: bool) -> float:
+    """A call's running slot-1 acceptance, after one more drafted block."""
+    return (1 - _RECENT_DECAY) * recent + _RECENT_DECAY * float(accepted_first_slot)
+
+
+__all__ = [
+    "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "ProposalChoice", "ProposalSchedule",
+    "chain_labels", "chain_prior", "check_schedule", "isotonic", "next_plain_run", "slot_confidence",
+    "update_recent",
+]

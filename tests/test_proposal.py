@@ -1,0 +1,266 @@
+"""Per-cycle proposal length (dcoco_hf/proposal.py): the cost model, the acceptance fit, the choice, and exactness
+of `generate(assistant_model=drafter)` under the cost-aware schedule, with plain steps (k = 0) and full blocks."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from sampling_reference import (
+    T,
+    exact_distribution,
+    histogram,
+    iid_tv_quantiles,
+    peaked_target,
+    random_drafter,
+    total_variation,
+)
+from test_sampling import SETTINGS, speculative_samples
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import dcoco_hf.candidate_generator as candidate_generator
+from dcoco_hf.proposal import (
+    MAX_PLAIN_RUN,
+    AcceptanceModel,
+    CycleCosts,
+    ProposalSchedule,
+    chain_labels,
+    chain_prior,
+    check_schedule,
+    isotonic,
+    next_plain_run,
+    slot_confidence,
+)
+
+# Cycle costs of three kinds of machine, in seconds (8 verify widths: the fitted drafter drafts blocks of 8).
+FREE_VERIFY = CycleCosts(verify=[1.0] * 8, draft={8: 0.01})  # a GPU: k = every slot
+NEVER_PAYS = CycleCosts(verify=[1.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0], draft={8: 5.0})  # drafting never wins a plain step
+CPU_LIKE = CycleCosts(verify=[1.0, 1.4, 1.6, 1.75, 1.9, 2.0, 2.1, 2.2], draft={8: 0.3})
+
+
+# ------------------------------------------------------------------------------------------------ the parts
+
+
+def test_isotonic_fit_is_monotone_and_keeps_sorted_input():
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert isotonic([5.0, 1.0, 1.0]) == pytest.approx([7 / 3] * 3)
+
+
+def test_cycle_costs_fit_round_trip_and_refuse_other_shapes():
+    costs = CycleCosts.fit({1: [1.0, 1.1, 0.9, 1.0], 2: [0.9, 1.0, 1.0, 5.0], 3: [2.0] * 4}, {2: [0.1] * 4, 4: [0.2] * 4})
+    assert costs.verify == [1.0, 1.0, 2.0]  # the median of width 2 sits below width 1's: pooled
+    assert costs.cycle(0, 4) == 1.0 and costs.cycle(2, 4) == 0.2 + 2.0 and costs.cycle(1, 2) == 0.1 + 1.0
+    assert CycleCosts.from_dict(costs.to_dict()) == costs
+    for bad in (None, [], 5, "x", {"verify": [1.0], "draft": {}}, {"verify": [2.0, 1.0], "draft": {"2": 1.0}},
+                {"verify": [0.0], "draft": {"2": 1.0}}, {"verify": [1.0], "draft": {"99": 1.0}},
+                {"verify": [float("nan")], "draft": {"2": 1.0}}):
+        with pytest.raises((ValueError, TypeError)):
+            CycleCosts.from_dict(bad)
+
+
+def test_chain_prior_follows_block_tau():
+    # tau(2) = 1.5: slot 1 accepted half the time; tau(3) = 1.75: slot 2 half the time after slot 1.
+    assert chain_prior({"2": 1.5, "3": 1.75}, 3) == pytest.approx([0.5, 0.5, 0.5])
+    assert chain_prior({"2": 1.8, "3": 2.16}, 2) == pytest.approx([0.8, 0.45])
+    flat = chain_prior({"2": 1.4, "3": 1.4}, 2)  # a slot that adds nothing: a small floor, not zero
+    assert flat[0] == pytest.approx(0.4) and 0 < flat[1] <= 0.05
+    assert chain_prior(None, 3) == [0.5] * 3
+
+
+def test_chain_labels_stop_at_the_first_wrong_slot():
+    assert chain_labels([5, 6, 7], [5, 6, 7]) == [True, True, True]
+    assert chain_labels([5, 6, 7], [5, 9, 7]) == [True, False]
+    assert chain_labels([5, 6, 7], [5]) == [True]  # the rest is not committed yet
+    assert chain_labels([5, 6], []) == []
+
+
+def test_slot_confidence_reads_the_walks_scores():
+    logits = torch.tensor([[[2.0, 0.0], [0.0, 0.0], [1.0, 1.0]]])  # [B=1, S=3, K=2]
+    chosen = torch.tensor([[0, 1, 0]])
+    plain = slot_confidence(logits, chosen, None, None)
+    assert plain[0].tolist() == pytest.approx([torch.sigmoid(torch.tensor(2.0)).item(), 0.5, 0.5])
+    transitions = torch.zeros(1, 2, 2, 2)
+    transitions[0, 0, 0] = torch.tensor([0.0, 3.0])  # from slot 1's candidate 0, slot 2's candidate 1 is likely
+    transitions[0, 1, 1] = torch.tensor([-3.0, 0.0])  # from slot 2's candidate 1, slot 3's candidate 0 is not
+    first = torch.tensor([[0.0, 0.0]])
+    corrected = slot_confidence(logits, chosen, transitions, first)[0]
+    sig3 = torch.sigmoid(torch.tensor(3.0)).item()
+    assert corrected.tolist() == pytest.approx([0.5, sig3, 1 - sig3])
+
+
+def test_acceptance_fit_learns_what_the_prior_does_not_know():
+    model = AcceptanceModel([0.5, 0.5])
+    assert model.predict([0.9, 0.9], recent=0.5) == pytest.approx([0.5, 0.5])
+    for _ in range(300):  # confident slots are right, unsure ones wrong
+        model.observe([0.95, 0.95], 0.5, [True, True])
+        model.observe([0.2, 0.2], 0.5, [False])
+    sure, unsure = model.predict([0.95, 0.95], 0.5), model.predict([0.2, 0.2], 0.5)
+    assert sure[0] > 0.8 and unsure[0] < 0.2 and model.w_confidence > 0
+    # A call whose drafts keep failing lowers every slot's prediction.
+    assert model.predict([0.95, 0.95], recent=0.05)[0] < sure[0]
+
+
+def test_the_choice_trades_expected_tokens_against_cycle_costs():
+    predicted = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    prior = AcceptanceModel([0.5] * 7)
+    gpu = ProposalSchedule(FREE_VERIFY, prior).choose(predicted, cap=7, floor=0.0, block=8)
+    cpu = ProposalSchedule(CPU_LIKE, prior).choose(predicted, cap=7, floor=0.0, block=8)
+    assert gpu.k == 7 and 1 < cpu.k < 7 and cpu.gain > 1
+    assert ProposalSchedule(CPU_LIKE, prior).choose(predicted, cap=2, floor=0.0, block=8).k <= 2  # the cap
+    assert ProposalSchedule(FREE_VERIFY, prior).choose(predicted, cap=7, floor=0.65, block=8).k == 3  # the floor
+    hopeless = ProposalSchedule(NEVER_PAYS, prior).choose([0.1] * 7, cap=7, floor=0.0, block=8)
+    assert hopeless.k == 1 and hopeless.gain < 1  # a cycle that drafted proposes one token, and says it lost
+    untuned = ProposalSchedule(None, prior).choose([0.1] * 7, cap=5, floor=0.0, block=8)
+    assert untuned.k == 5  # no costs known: every slot, like the constant schedule
+
+
+def test_plain_runs_double_while_drafting_does_not_pay():
+    runs, run = [], 0
+    for gain in [0.5] * 7 + [1.2, 0.5]:
+        run = next_plain_run(gain, run)
+        runs.append(run)
+    assert runs == [1, 2, 4, 8, 16, MAX_PLAIN_RUN, MAX_PLAIN_RUN, 0, 1]
+
+
+def test_unknown_schedule_names_the_choices():
+    assert check_schedule("cost") == "cost"
+    with pytest.raises(ValueError, match="choose one of"):
+        check_schedule("fastest")
+
+
+# ------------------------------------------------------------------------------------- through generate()
+
+
+@contextmanager
+def schedule(drafter, name: str = "cost", costs: CycleCosts | None = None, **generation):
+    """Run the drafter under schedule `name` (with `costs`, a fresh acceptance fit) and these generation-config
+    values, then restore it."""
+    config = drafter.generation_config
+    saved = {key: getattr(config, key) for key in ["num_assistant_tokens_schedule", *generation]}
+    config.num_assistant_tokens_schedule = name
+    for key, value in generation.items():
+        setattr(config, key, value)
+    drafter._schedule = None
+    drafter.cycle_costs = costs
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+        drafter._schedule = None
+
+
+def _prompt(seed: int, length: int, vocab: int) -> torch.LongTensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_cases(target, drafter, seeds, max_new_tokens=40, **kwargs):
+    """Greedy outputs with the drafter equal plain generate()'s; returns the merged statistics."""
+    total = None
+    for seed in seeds:
+        ids = _prompt(seed, 6, target.config.vocab_size)
+        expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        got = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter, **kwargs)
+        assert got.tolist() == expected.tolist(), seed
+        stats = drafter.generation_stats(got)
+        assert stats.committed_tokens == got.shape[1] - ids.shape[1]
+        total = stats if total is None else total.merge(stats)
+    return total
+
+
+@pytest.mark.parametrize("costs, expect", [(NEVER_PAYS, "plain"), (FREE_VERIFY, "full"), (CPU_LIKE, "mixed")])
+def test_greedy_is_exact_under_the_cost_aware_schedule(fitted, costs, expect):
+    target, drafter = fitted
+    with schedule(drafter, costs=costs):
+        stats = _greedy_cases(target, drafter, range(8))
+    lengths = stats.proposal_lengths
+    if expect == "plain":  # plain steps instead of most drafts: cheap when drafting cannot pay
+        assert lengths[0] > 2 * sum(lengths[1:]), lengths
+        assert stats.target_forwards >= stats.committed_tokens - sum(stats.accepted)
+    elif expect == "full":  # every slot proposed, full blocks accepted
+        assert len(lengths) == 8 and lengths[7] > 0 and not lengths[0], lengths
+        assert max(stats.accepted) == 7
+    else:
+        assert sum(n > 0 for n in lengths[1:]) >= 2, lengths  # several lengths chosen
+    predicted, observed = stats.as_dict()["predicted_accept"], stats.as_dict()["observed_accept"]
+    assert predicted[0] is not None and observed[0] is not None and stats.slot_labelled[0] > 0
+
+
+def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch):
+    """Alternate plain steps and whole blocks inside each call (k = 0 and k = max), with EOS and a custom stopping
+    criterion landing anywhere."""
+    target, drafter = fitted
+    monkeypatch.setattr(candidate_generator, "next_plain_run", lambda gain, run: 0 if run else 2)
+
+    class StopAtLength(StoppingCriteria):
+        def __init__(self, length: int) -> None:
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+    with schedule(drafter, costs=FREE_VERIFY):
+        stats = _greedy_cases(target, drafter, range(20, 26), max_new_tokens=45)
+        assert stats.proposal_lengths[0] > 5 and stats.proposal_lengths[7] > 5, stats.proposal_lengths
+        for seed in range(30, 34):
+            ids = _prompt(seed, 6, target.config.vocab_size)
+            free = target.generate(ids, max_new_tokens=30, do_sample=False)
+            eos = int(free[0, ids.shape[1] + 9 + seed % 5])
+            criteria = StoppingCriteriaList([StopAtLength(ids.shape[1] + 13 + seed % 7)])
+            for kwargs in ({"eos_token_id": eos}, {"stopping_criteria": criteria}):
+                expected = target.generate(ids, max_new_tokens=30, do_sample=False, **kwargs)
+                got = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, **kwargs)
+                assert got.tolist() == expected.tolist(), (seed, kwargs)
+
+
+def test_transformers_knobs_cap_and_floor_the_proposal(fitted):
+    target, drafter = fitted
+    with schedule(drafter, costs=FREE_VERIFY, num_assistant_tokens=3):
+        stats = _greedy_cases(target, drafter, range(40, 44))
+    assert len(stats.proposal_lengths) <= 4 and stats.proposal_lengths[3] > 0  # num_assistant_tokens caps k
+    with schedule(drafter, costs=FREE_VERIFY, assistant_confidence_threshold=0.999):
+        floored = _greedy_cases(target, drafter, range(40, 44))
+    assert floored.proposal_lengths[1] > sum(floored.proposal_lengths[2:])  # hardly any slot clears the floor
+    with schedule(drafter, "heuristic", costs=CPU_LIKE, num_assistant_tokens=2):
+        heuristic = _greedy_cases(target, drafter, range(40, 44))
+    assert sum(n > 0 for n in heuristic.proposal_lengths) >= 2  # transformers' rule moves k between cycles
+    with schedule(drafter, "constant", costs=CPU_LIKE, num_assistant_tokens=5):
+        constant = _greedy_cases(target, drafter, range(40, 44))
+    lengths = constant.proposal_lengths
+    assert len(lengths) == 6 and lengths[5] >= 0.9 * sum(lengths)  # shorter only where max_new_tokens cuts in
+
+
+def test_the_acceptance_fit_is_kept_across_calls(fitted):
+    target, drafter = fitted
+    with schedule(drafter, costs=CPU_LIKE):
+        _greedy_cases(target, drafter, range(50, 52))
+        seen = drafter.proposal_schedule.acceptance.observed
+        _greedy_cases(target, drafter, range(52, 54))
+        assert seen > 0 and drafter.proposal_schedule.acceptance.observed > seen
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS), ids=list(SETTINGS))
+def test_sampling_is_exact_with_plain_steps_and_full_blocks(setting, monkeypatch):
+    """The sampling test of tests/test_sampling.py under the cost-aware schedule, every other cycle a plain step."""
+    target = peaked_target()
+    drafter = random_drafter(target, 24, soft=True)
+    monkeypatch.setattr(candidate_generator, "next_plain_run", lambda gain, run: 0 if run else 1)
+    kwargs = SETTINGS[setting]
+    probs = exact_distribution(target, kwargs)
+    n = 400
+    q01, q99 = iid_tv_quantiles(probs, n)
+    lengths = np.zeros(T + 1, dtype=int)
+    with schedule(drafter, costs=CycleCosts(verify=[1.0] * 3, draft={3: 0.01})):
+        torch.manual_seed(99)
+        samples = []
+        for _ in range(n):
+            out = speculative_samples(target, drafter, kwargs, 1)
+            samples.append(out)
+            counts = drafter.generation_stats(out).proposal_lengths
+            lengths[: len(counts)] += counts
+    spec_tv = total_variation(histogram(torch.cat(samples)), probs)
+    assert spec_tv < q99, (spec_tv, q01, q99)
+    assert lengths[0] > 0.05 * n and lengths[2] > 0.05 * n, lengths  # plain steps and full blocks both ran
