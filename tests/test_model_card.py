@@ -30,7 +30,7 @@ def test_folder_is_complete_and_hub_ready():
     for name in ("config.json", "model.safetensors", "generation_config.json", "README.md", *CODE_FILES):
         assert (CARD / name).is_file(), name
     config = json.loads((CARD / "config.json").read_text())
-    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}  # a drafter cannot generate alone
     assert "RESULTS_TABLE" not in (CARD / "README.md").read_text()
 
 
