@@ -96,3 +96,12 @@ def test_model_card_snippets_run(card, monkeypatch):
     for snippet in snippets:
         namespace = run_snippet(snippet, CARDS, monkeypatch)
         assert namespace["drafter"].generation_stats(namespace["out"]).committed_tokens == 8
+
+
+@pytest.mark.slow
+def test_custom_generate_snippet_runs(monkeypatch):
+    """Run from the repository root, where the folder and the shipped drafter are."""
+    (snippet,) = python_snippets(ROOT / "custom_generate" / "README.md")
+    namespace = run_snippet(snippet, ROOT, monkeypatch)
+    stats = namespace["drafter"].generation_stats(namespace["out"])
+    assert [row.committed_tokens for row in stats] == [8, 8]
