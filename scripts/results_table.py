@@ -1,4 +1,4 @@
-"""Print the headline results table (README and model card) from the benchmark JSON files it links to.
+"""Print the headline results table (README and model card) from the benchmark JSON files it names.
 
     python scripts/results_table.py            # print it
     python scripts/results_table.py --write    # and replace it in README.md and the model card
@@ -6,6 +6,8 @@
 Rows: the public-API runs (`scripts/api_bench.py`: from_pretrained, attach, generate) and the side-by-side bench of
 the same engine with the corrector on and off (`dcoco-hf bench --methods vanilla,dflash,dcoco`). A figure in the
 README or the card that is not in these files is a defect; `tests/test_model_card.py` checks the tables against them.
+The README links each row's file; the card, a Hub page where a relative link to the repository resolves nowhere,
+names it as text.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ BENCHES = (("", "bench_dflash_vs_dcoco.json"), ("@4", "bench_dflash_vs_dcoco_blo
 SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
 
 
-def api_rows() -> list[str]:
+def source(file: str, link: bool) -> str:
+    """A row's JSON file: a link relative to the repository root, or its path as text."""
+    return f"[json]({RESULTS}/{file})" if link else f"`{RESULTS}/{file}`"
+
+
+def api_rows(link: bool = True) -> list[str]:
     rows = []
     for name, file in API_RUNS:
         path = ROOT / RESULTS / file
@@ -35,13 +42,13 @@ def api_rows() -> list[str]:
         report = json.loads(path.read_text())
         totals, prompts = report["totals"], len(report["records"])
         rows.append(
-            f"| {name} ([json]({RESULTS}/{file})) | {totals['tau']:.2f} | {totals['speedup']:.2f}x | "
+            f"| {name} ({source(file, link)}) | {totals['tau']:.2f} | {totals['speedup']:.2f}x | "
             f"{100 * totals['corrector_share']:.1f}% | {totals['identical']}/{prompts} |"
         )
     return rows
 
 
-def bench_rows() -> list[str]:
+def bench_rows(link: bool = True) -> list[str]:
     rows = []
     for suffix, file in BENCHES:
         path = ROOT / RESULTS / file
@@ -53,21 +60,21 @@ def bench_rows() -> list[str]:
             dflash, dcoco = methods[f"dflash{suffix}"], methods[f"dcoco{suffix}"]
             rows.append(
                 f"| {SUITE_NAMES.get(suite, suite)}, {dcoco['prompts']} prompts, blocks of {block} "
-                f"([json]({RESULTS}/{file})) | {dflash['tau']:.2f} / {dcoco['tau']:.2f} | "
+                f"({source(file, link)}) | {dflash['tau']:.2f} / {dcoco['tau']:.2f} | "
                 f"{dcoco['tau'] / dflash['tau']:.3f} | {dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | "
                 f"{100 * dcoco['corrector_share']:.1f}% |"
             )
     return rows
 
 
-def table() -> str:
+def table(link: bool = True) -> str:
     lines = [
         "Through the public API alone (`from_pretrained`, `attach`, `generate`; greedy, 128 new tokens, plain",
         "`generate()` and the drafter back to back per prompt, `python scripts/api_bench.py`):",
         "",
         "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
         "| --- | --- | --- | --- | --- |",
-        *api_rows(),
+        *api_rows(link),
         "",
         "The corrector alone: the same engine, weights, draft vocabulary, layouts and block, with the corrector off",
         "(`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench --methods vanilla,dflash,dcoco`, and",
@@ -75,22 +82,22 @@ def table() -> str:
         "",
         "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
         "| --- | --- | --- | --- | --- |",
-        *bench_rows(),
+        *bench_rows(link),
     ]
     return "\n".join(lines)
 
 
 START, END = "<!-- results table: python scripts/results_table.py --write -->", "<!-- end of results table -->"
-DOCS = {ROOT / "README.md": "", ROOT / "model_cards" / "dcoco-smollm2-135m" / "README.md": "../../"}
+DOCS = {ROOT / "README.md": True, ROOT / "model_cards" / "dcoco-smollm2-135m" / "README.md": False}  # links?
 
 
 def write() -> None:
-    """Replace the table between START and END in each doc, with links relative to it."""
-    for doc, prefix in DOCS.items():
+    """Replace the table between START and END in each doc: with links in the README, file paths in the card."""
+    for doc, link in DOCS.items():
         text = doc.read_text()
         before, rest = text.split(START, 1)
         after = rest.split(END, 1)[1]
-        doc.write_text(f"{before}{START}\n{table().replace('](docs/', f'](' + prefix + 'docs/')}\n{END}{after}")
+        doc.write_text(f"{before}{START}\n{table(link)}\n{END}{after}")
 
 
 if __name__ == "__main__":

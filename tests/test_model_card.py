@@ -30,7 +30,7 @@ def test_folder_is_complete_and_hub_ready():
     for name in ("config.json", "model.safetensors", "generation_config.json", "README.md", *CODE_FILES):
         assert (CARD / name).is_file(), name
     config = json.loads((CARD / "config.json").read_text())
-    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}  # a drafter cannot generate alone
     assert "RESULTS_TABLE" not in (CARD / "README.md").read_text()
 
 
@@ -65,10 +65,9 @@ def test_results_tables_are_their_json_files():
     files they link to (`--write`), not figures typed by hand."""
     rows = _RESULTS["api_rows"]() + _RESULTS["bench_rows"]()
     assert len(rows) >= 6, "docs/results/ lost its benchmark files"
-    for doc, prefix in _RESULTS["DOCS"].items():
+    for doc, link in _RESULTS["DOCS"].items():
         shown = doc.read_text().split(_RESULTS["START"], 1)[1].split(_RESULTS["END"], 1)[0].strip()
-        expected = _RESULTS["table"]().replace("](docs/", f"]({prefix}docs/")
-        assert shown == expected, f"{doc}: run python scripts/results_table.py --write"
+        assert shown == _RESULTS["table"](link), f"{doc}: run python scripts/results_table.py --write"
 
 
 def test_results_runs_kept_every_output_identical():

@@ -23,7 +23,6 @@ CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "ca
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
     "AutoModel": "modeling_dcoco.DCOCODrafter",
-    "AutoModelForCausalLM": "modeling_dcoco.DCOCODrafter",
 }
 DRAFTER_KEY = re.compile(r"^(fc\.weight|hidden_norm\.weight|norm\.weight|layers\.\d+\.[\w.]+|corrector\.[\w.]+)$")
 
@@ -108,16 +107,17 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
 
     reference = _proposals(drafter, llama)
     reference_outputs = _greedy_equal(llama, drafter)
-    for auto in (AutoModel, AutoModelForCausalLM):
-        loaded = auto.from_pretrained(folder, trust_remote_code=True)
-        assert type(loaded).__name__ == "DCOCODrafter" and type(loaded) is not DCOCODrafter
-        assert type(loaded).__module__.startswith("transformers_modules"), type(loaded).__module__
-        for key, value in drafter.state_dict().items():
-            assert torch.equal(loaded.state_dict()[key], value), key
-        assert loaded.attach(llama) is loaded
-        _assert_same_proposals(_proposals(loaded, llama), reference)
-        assert _greedy_equal(llama, loaded) == reference_outputs
-        assert loaded.generation_stats().cycles > 0  # the remote-code copy really drafted
+    with pytest.raises(ValueError, match="AutoModelForCausalLM"):  # a drafter cannot generate alone
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    assert type(loaded).__name__ == "DCOCODrafter" and type(loaded) is not DCOCODrafter
+    assert type(loaded).__module__.startswith("transformers_modules"), type(loaded).__module__
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.attach(llama) is loaded
+    _assert_same_proposals(_proposals(loaded, llama), reference)
+    assert _greedy_equal(llama, loaded) == reference_outputs
+    assert loaded.generation_stats().cycles > 0  # the remote-code copy really drafted
     assert any(not torch.equal(p.chosen, torch.zeros_like(p.chosen)) for p in reference)  # the corrector acted
 
 

@@ -21,10 +21,10 @@ from .lilicorr import config_from_public
 
 SELECTIONS = WALKS
 CORRECTOR_TYPES = ("dcoco", "lilicorr")
+# AutoModel only: a drafter cannot generate on its own (it needs the target's states), so no AutoModelForCausalLM.
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
     "AutoModel": "modeling_dcoco.DCOCODrafter",
-    "AutoModelForCausalLM": "modeling_dcoco.DCOCODrafter",
 }
 
 

@@ -1,0 +1,107 @@
+"""The Hub cards (model_cards/*/README.md, custom_generate/README.md) as the Hub shows them: complete metadata, no link
+that only resolves inside this repository, and Python snippets that run as printed, with every name defined.
+
+The snippets name a drafter or data folder the way a local clone of its Hub repository is named, so they run here
+from model_cards/; the target's Hub id is swapped for the same model built locally (no network) and generation is
+cut to a few tokens."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dcoco_hf.assets import default_target_path
+
+ROOT = Path(__file__).resolve().parents[1]
+CARDS = ROOT / "model_cards"
+MODEL_CARDS = sorted(p.parent for p in CARDS.glob("*/config.json"))
+DATASET_CARDS = sorted(p.parent for p in CARDS.glob("*/prompts.json"))
+HUB_READMES = [*(p / "README.md" for p in MODEL_CARDS + DATASET_CARDS), ROOT / "custom_generate" / "README.md"]
+TARGET_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PROVENANCE = "Q4_1 GGUF"
+
+_PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+_MARKDOWN_LINK = re.compile(r"\]\(([^)]+)\)")
+
+
+def front_matter(readme: Path) -> dict:
+    text = readme.read_text()
+    assert text.startswith("---\n"), f"{readme}: no YAML front matter"
+    return yaml.safe_load(text.split("---\n", 2)[1])
+
+
+def python_snippets(readme: Path) -> list[str]:
+    return _PYTHON_BLOCK.findall(readme.read_text())
+
+
+def run_snippet(code: str, folder: Path, monkeypatch) -> dict:
+    """Run `code` as a reader would, from `folder`, on the local target and with few new tokens."""
+    code = code.replace(f'"{TARGET_ID}"', repr(str(default_target_path())))
+    code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=8", code)
+    monkeypatch.chdir(folder)
+    namespace: dict = {"__name__": "__card__"}
+    exec(compile(code, str(folder / "README.md"), "exec"), namespace)  # noqa: S102 (our own cards)
+    return namespace
+
+
+def test_every_card_is_found():
+    assert {p.name for p in MODEL_CARDS} == {"dcoco-smollm2-135m", "lilicorr-smollm2-135m"}
+    assert len(DATASET_CARDS) == 4
+
+
+@pytest.mark.parametrize("card", MODEL_CARDS, ids=lambda p: p.name)
+def test_model_card_metadata(card):
+    meta = front_matter(card / "README.md")
+    assert {"license", "library_name", "pipeline_tag", "language", "base_model", "datasets", "tags"} <= set(meta)
+    assert meta["license"] == "apache-2.0" and meta["base_model"] == TARGET_ID
+    assert {p.name for p in DATASET_CARDS} == set(meta["datasets"])
+    assert PROVENANCE in (card / "README.md").read_text()
+
+
+@pytest.mark.parametrize("card", DATASET_CARDS, ids=lambda p: p.name)
+def test_dataset_card_metadata(card):
+    meta = front_matter(card / "README.md")
+    assert {"license", "pretty_name", "task_categories", "language", "size_categories", "tags"} <= set(meta)
+    assert PROVENANCE in (card / "README.md").read_text()
+
+
+@pytest.mark.parametrize("readme", HUB_READMES, ids=lambda p: p.parent.name)
+def test_links_resolve_on_the_hub(readme):
+    relative = [link for link in _MARKDOWN_LINK.findall(readme.read_text()) if not link.startswith(("https://", "#"))]
+    assert not relative, f"{readme}: {relative} resolve only inside the repository"
+
+
+def test_custom_generate_asks_for_this_package_version():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    requirements = (ROOT / "custom_generate" / "custom_generate" / "requirements.txt").read_text().split()
+    assert f"dcoco-hf>={version}" in requirements
+
+
+@pytest.mark.parametrize("card", DATASET_CARDS, ids=lambda p: p.name)
+def test_dataset_card_snippets_run(card, monkeypatch):
+    (snippet,) = python_snippets(card / "README.md")
+    records = run_snippet(snippet, CARDS, monkeypatch)["records"]
+    assert records and set(records[0]) == {"input_ids", "loss_mask"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("card", MODEL_CARDS, ids=lambda p: p.name)
+def test_model_card_snippets_run(card, monkeypatch):
+    snippets = python_snippets(card / "README.md")
+    assert snippets
+    for snippet in snippets:
+        namespace = run_snippet(snippet, CARDS, monkeypatch)
+        assert namespace["drafter"].generation_stats(namespace["out"]).committed_tokens == 8
+
+
+@pytest.mark.slow
+def test_custom_generate_snippet_runs(monkeypatch):
+    """Run from the repository root, where the folder and the shipped drafter are."""
+    (snippet,) = python_snippets(ROOT / "custom_generate" / "README.md")
+    namespace = run_snippet(snippet, ROOT, monkeypatch)
+    stats = namespace["drafter"].generation_stats(namespace["out"])
+    assert [row.committed_tokens for row in stats] == [8, 8]
