@@ -273,9 +273,12 @@ class MethodRunner:
             block_size_for_call(self.drafter, block_size),
             self.trace.record() as trace,
             _fields_for_call(self.drafter and self.drafter.config, DCOCO_CONFIG_FIELDS.get(base, {})),
-            # use_corrector off drafts plain DFlash argmax blocks; time_phases gives exact phase times on a GPU
-            _fields_for_call(self.drafter and self.drafter.generation_config,
-                             {**DCOCO_WALKS.get(base, {}), "use_corrector": base != "dflash", "time_phases": True}),
+            # use_corrector off drafts plain DFlash argmax blocks; time_phases gives exact phase times on a GPU; a
+            # method@B proposes whole blocks of B (the constant schedule), a bare method the drafter's schedule
+            _fields_for_call(self.drafter and self.drafter.generation_config, {
+                **DCOCO_WALKS.get(base, {}), "use_corrector": base != "dflash", "time_phases": True,
+                **({} if block_size is None else {"num_assistant_tokens_schedule": "constant"}),
+            }),
         ):
             kwargs = self.generate_kwargs(method, prompt_len, max_new_tokens)
             if streamer is not None:
@@ -407,6 +410,10 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         "prefill_seconds": None,
         "drafter_seconds": None,
         "corrector_seconds": None,
+        "proposal_lengths": None,
+        "predicted_accept": None,
+        "observed_accept": None,
+        "seconds_saved": None,
         "equal_to_vanilla": None if any(e is None for e in equal) else sum(equal) / len(equal),
     }
     dcoco = [r.dcoco for r in records if r.dcoco is not None]
@@ -415,7 +422,8 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         totals = merged.as_dict()
         summary.update(
             {key: totals[key] for key in (
-                "coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau")},
+                "coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau",
+                "proposal_lengths", "predicted_accept", "observed_accept", "seconds_saved")},
             corrector_share=merged.corrector_seconds / seconds if seconds > 0 else None,
             # the same share of the cycles alone: the prompt's prefill, paid once per call, left out
             cycle_share=merged.corrector_seconds / (seconds - merged.prefill_seconds) if seconds > 0 else None,
@@ -485,6 +493,22 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
+def format_proposals(method: str, summary: dict[str, Any]) -> str | None:
+    """What the proposal schedule did for one drafter method: cycles per proposal length (0: a plain step instead
+    of a draft), predicted against observed chain acceptance per slot, and the time saved against plain steps."""
+    lengths = summary.get("proposal_lengths")
+    if not lengths:
+        return None
+    line = f"{method}: cycles per proposal length {{{', '.join(f'{k}: {n}' for k, n in lengths.items())}}}"
+    pairs = [(p, o) for p, o in zip(summary["predicted_accept"] or [], summary["observed_accept"] or [])
+             if p is not None and o is not None]
+    if pairs:
+        line += "; slot acceptance predicted/observed " + ", ".join(f"{p:.2f}/{o:.2f}" for p, o in pairs)
+    if summary.get("seconds_saved") is not None:
+        line += f"; {summary['seconds_saved']:+.1f} s against plain steps (cost model)"
+    return line
+
+
 def greedy_mismatch_reason(dtype: str, quantization: str | None = None) -> str:
     """Why a greedy speculative output may differ from plain `generate()` in `dtype`: a bug unless it is half precision.
 
@@ -514,6 +538,7 @@ def format_report(report: dict[str, Any]) -> str:
         detail += f", block {config['block_size']}, {f'draft vocab {vocab}' if vocab else 'full vocab'}"
     parts = [format_table(summary, f"== suite {suite} ({detail}) ==") for suite, summary in report["suites"].items()]
     parts.append(format_table(report["methods"], f"== overall ({detail}) =="))
+    parts.extend(filter(None, (format_proposals(method, s) for method, s in report["methods"].items())))
     equal = [s["equal_to_vanilla"] for s in report["methods"].values()]
     if mode == "greedy" and any(e is not None and e < 1 for e in equal):
         parts.append(f"outputs differ from plain generate(): {greedy_mismatch_reason(config.get('dtype', '?'), config.get('quantization'))}")
@@ -531,6 +556,7 @@ __all__ = [
     "build_report",
     "check_block_size",
     "encode_prompt",
+    "format_proposals",
     "format_report",
     "format_table",
     "greedy_mismatch_reason",

@@ -71,10 +71,11 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
 from .context_cache import DraftContextCache
+from .proposal import COST_SCHEDULE, next_plain_run, slot_confidence, update_recent
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
-    from .modeling_dcoco import DCOCODrafter
+    from .modeling_dcoco import DCOCODrafter, DraftProposal
 
 # Compact both caches once masked columns (left padding + holes) exceed this fraction of them: a gather of the whole
 # cache, paid rarely, against attention over the wasted columns in every later forward.
@@ -232,6 +233,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     masks = _TargetMasks(target, longest=prompt_len + max_new + slots)
     cache = masks.new_cache()
     dcache = DraftContextCache()
+    plan = _BatchPlan(drafter, batch)
 
     # Prefill: the prompts, then the first token chosen by the target itself (it becomes the first anchor).
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L] index in the unpadded sequence
@@ -266,32 +268,37 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
             anchor, anchor_pos, mask, dmask = anchor[keep], anchor_pos[keep], mask[keep], dmask[keep]
             ctx, ctx_mask, ctx_pos = ctx[keep], ctx_mask[keep], ctx_pos[keep]
 
-        # Draft: one drafter forward per cycle for all active rows.
-        block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
-        # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes its
-        # unmasked path; else it gets the full mask, which it uses without first reading it for a masked key (a sync,
-        # as for a key mask).
-        if min(committed) == dmask.shape[1] + ctx_mask.shape[1]:
-            draft_mask = None
-        else:
-            draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
-            draft_mask = draft_mask[:, None, None, :].expand(-1, 1, slots + 1, -1)  # [b, 1, S + 1, cached + N + S + 1]
-        context_ids, context_valid = (
-            _committed(out, prompt_valid, written, rows) if drafter.config.context_bigrams else (None, None)
-        )
-        proposal = drafter.propose(
-            anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection, correct=correct,
-            context_ids=context_ids, context_valid=context_valid, timed=tap.timed,
-        )
-        dmask = torch.cat([dmask, ctx_mask], dim=1)  # [b, cached + N]
-        drafts = proposal.tokens  # [b, S]
+        if plan.plain_left:  # a plain step for every row: no draft, the anchor alone
+            plan.plain_left -= 1
+            proposal, drafts = None, anchor[:, None][:, :0]  # [b, 0]
+        else:  # one drafter forward per cycle for all active rows
+            block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
+            # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes
+            # its unmasked path; else it gets the full mask, which it uses without first reading it for a masked key
+            # (a sync, as for a key mask).
+            if min(committed) == dmask.shape[1] + ctx_mask.shape[1]:
+                draft_mask = None
+            else:
+                draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
+                draft_mask = draft_mask[:, None, None, :].expand(-1, 1, slots + 1, -1)  # [b, 1, S + 1, ...]
+            context_ids, context_valid = (
+                _committed(out, prompt_valid, written, rows) if drafter.config.context_bigrams else (None, None)
+            )
+            proposal = drafter.propose(
+                anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection,
+                correct=correct, context_ids=context_ids, context_valid=context_valid, timed=tap.timed,
+            )
+            dmask = torch.cat([dmask, ctx_mask], dim=1)  # [b, cached + N]
+            drafts = proposal.tokens[:, : plan.proposal_length(proposal, row_ids)]  # [b, k]
+        k = drafts.shape[1]
 
         # Verify: [anchor, drafts] for every row at its true positions; holes and padding are masked keys.
-        block = torch.cat([anchor[:, None], drafts], dim=1)  # [b, S + 1]
-        mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # [b, K + S + 1]
+        block = torch.cat([anchor[:, None], drafts], dim=1)  # [b, k + 1]
+        block_pos = anchor_pos[:, None] + offsets[: k + 1]  # [b, k + 1]
+        mask = torch.cat([mask, torch.ones_like(block)], dim=1)  # [b, K + k + 1]
         logits, states = _target_forward(target, tap, block, masks(mask, cache), block_pos, cache, stats, row_ids)
         history = (None, None) if picker.row_local else _with_drafts(out, written, rows, prompt_len, drafts)
-        chosen, accepted = _verify(picker.at(*history, rows), logits, drafts)  # [b, S + 1], [b]
+        chosen, accepted = _verify(picker.at(*history, rows), logits, drafts)  # [b, k + 1], [b]
         done, new = _commit(out, written, prompt_len, chosen, accepted + 1, max_new, eos, pad, rows)
         anchor_pos = anchor_pos + accepted + 1  # [b] = committed tokens before the anchor = valid cache columns
         # The cycle's one host sync: how many drafts each row accepted decides how far the caches and masks grow
@@ -299,14 +306,19 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         host_accepted, host_new, finished, anchor_committed = torch.stack(
             [accepted, new, done.long(), anchor_pos]
         ).tolist()
-        _book(stats, row_ids, proposal, host_accepted, host_new, slots)
+        _book(stats, row_ids, proposal, host_accepted, host_new, k)
+        plan.observe(row_ids, host_accepted, k)
 
         # Keep the block columns some row accepted; the rest of the tail goes; shorter rows keep masked holes.
-        valid = offsets <= accepted[:, None]  # [b, S + 1] anchor + accepted drafts are committed inputs
+        valid = offsets[: k + 1] <= accepted[:, None]  # [b, k + 1] anchor + accepted drafts are committed inputs
         width = max(host_accepted) + 1
-        cache.crop(width - (slots + 1))
-        mask = torch.cat([mask[:, : -(slots + 1)], valid[:, :width].long()], dim=1)  # [b, K + width]
-        ctx, ctx_mask, ctx_pos = states[:, :width], valid[:, :width].long(), block_pos[:, :width]
+        cache.crop(width - (k + 1))
+        mask = torch.cat([mask[:, : -(k + 1)], valid[:, :width].long()], dim=1)  # [b, K + width]
+        fresh = states[:, :width], valid[:, :width].long(), block_pos[:, :width]
+        if proposal is None:  # no draft read the context since: it waits for the next one
+            ctx, ctx_mask, ctx_pos = (torch.cat(pair, dim=1) for pair in zip((ctx, ctx_mask, ctx_pos), fresh))
+        else:
+            ctx, ctx_mask, ctx_pos = fresh
         anchor = chosen.gather(1, accepted[:, None]).squeeze(1)  # [b] the bonus token
         if 1 - sum(anchor_committed) / mask.numel() > COMPACT_WASTE:  # mostly holes: pack every row's keys right
             # The drafter cache holds the context up to the old anchors (the new rows are cached next cycle).
@@ -544,13 +556,63 @@ def _still_active(finished: list[int]) -> list[int] | None:
     return [i for i, f in enumerate(finished) if not f]
 
 
-def _book(stats, row_ids: list[int], proposal, accepted, new, slots) -> None:
-    """Per-row cycle statistics (drafter time is the batch's: every row waited for all of it)."""
+def _book(stats, row_ids: list[int], proposal, accepted, new, proposed: int) -> None:
+    """Per-row cycle statistics (drafter time is the batch's: every row waited for all of it); `proposal` None for
+    a plain step."""
     for row, count, committed in zip(row_ids, accepted, new):
         row_stats = stats[row]
-        row_stats.observe_draft(slots, count, committed)
+        if proposal is None:
+            row_stats.observe_plain_steps()
+            row_stats.committed_tokens += committed
+            continue
+        row_stats.observe_draft(proposed, count, committed)
         row_stats.drafter_seconds += proposal.backbone_seconds
         row_stats.corrector_seconds += proposal.corrector_seconds
+
+
+class _BatchPlan:
+    """The proposal length of each batched cycle: one k for every active row (one verify forward of k + 1 columns).
+
+    Under the cost-aware schedule (`proposal.py`), k is the length of most expected tokens per second summed over
+    the rows, and a cycle whose best proposal does not beat a plain step makes the next cycles plain steps, as on
+    the assisted path. The fit learns from the proposed slots (the batched loop does not keep the unproposed
+    ones), and reading the confidences costs one more host sync per drafted cycle. Other schedules propose every
+    slot, up to `num_assistant_tokens`."""
+
+    def __init__(self, drafter: DCOCODrafter, batch: int) -> None:
+        generation = drafter.generation_config
+        self.block = drafter.config.block_size
+        self.cap = min(int(generation.num_assistant_tokens or self.block - 1), self.block - 1)
+        self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
+        self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
+        prior = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0
+        self.recent = [prior] * batch  # per original row: its running slot-1 acceptance
+        self.plain_run = self.plain_left = 0
+        self._drafted: tuple[list[list[float]], list[list[float]]] | None = None  # (confidence, recent) per row
+        self._gain = 1.0
+
+    def proposal_length(self, proposal: DraftProposal, row_ids: list[int]) -> int:
+        if self.schedule is None:
+            return self.cap
+        confidence = slot_confidence(
+            proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
+        ).tolist()  # [b][S]
+        recent = [self.recent[row] for row in row_ids]
+        predicted = [self.schedule.acceptance.predict(c, r) for c, r in zip(confidence, recent)]
+        choice = self.schedule.choose_batch(predicted, self.cap, self.floor, self.block)
+        self._drafted, self._gain = (confidence, recent), choice.gain
+        return choice.k
+
+    def observe(self, row_ids: list[int], accepted: list[int], proposed: int) -> None:
+        """After a drafted cycle: teach the fit each row's proposed slots, and plan the next plain steps."""
+        if self._drafted is None:
+            return
+        for row, confidence, recent, count in zip(row_ids, *self._drafted, accepted):
+            labels = [True] * count + ([False] if count < proposed else [])
+            self.schedule.acceptance.observe(confidence, recent, labels)
+            self.recent[row] = update_recent(recent, labels[0])
+        self._drafted = None
+        self.plain_run = self.plain_left = next_plain_run(self._gain, self.plain_run)
 
 
 def _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache) -> None:

@@ -275,19 +275,31 @@ class ProposalSchedule:
     def choose(self, predicted: Sequence[float], cap: int, floor: float, block: int) -> ProposalChoice:
         """The k in [1, cap] of most expected tokens per second, cut before the first slot predicted below `floor`
         (transformers' `assistant_confidence_threshold`); a cycle that drafted proposes at least one token."""
-        expected, survival = [1.0], 1.0
-        for p in predicted[:cap]:
-            if p < floor and len(expected) > 1:
-                break
-            survival *= p
-            expected.append(expected[-1] + survival)
+        return self.choose_batch([predicted], cap, floor, block)
+
+    def choose_batch(self, predicted: Sequence[Sequence[float]], cap: int, floor: float, block: int) -> ProposalChoice:
+        """`choose` for one k shared by the rows of a batch (one verify forward of k + 1 columns): the k of most
+        expected tokens, summed over the rows, per second; `expected` and `gain` are per row."""
+        totals = [float(len(predicted))]
+        for row in predicted:
+            survival = 1.0
+            for k, p in enumerate(row[:cap], start=1):
+                if p < floor and k > 1:
+                    break
+                survival *= p
+                if k == len(totals):
+                    totals.append(float(len(predicted)))
+                totals[k] += survival
+        for k in range(2, len(totals)):  # expected tokens at k include those of every shorter proposal
+            totals[k] += totals[k - 1] - len(predicted)
+        rows = max(len(predicted), 1)
         if self.costs is None:
-            k = len(expected) - 1
-            return ProposalChoice(k, expected[k], 1.0)
+            k = len(totals) - 1
+            return ProposalChoice(k, totals[k] / rows, 1.0)
         loop = self.loop_seconds
-        rates = [expected[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(expected))]
+        rates = [totals[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(totals))]
         k = 1 + max(range(len(rates)), key=rates.__getitem__)
-        return ProposalChoice(k, expected[k], rates[k - 1] * (self.costs.plain + loop))
+        return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + loop) / rows)
 
     def observe_loop(self, seconds: float) -> None:
         """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0)."""

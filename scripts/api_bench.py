@@ -2,20 +2,27 @@
 
     python scripts/api_bench.py                                   # 16 held-out chat + code prompts (mixed-heldout)
     python scripts/api_bench.py --suite humaneval --limit 20 --json docs/api_bench_humaneval.json
+    python scripts/api_bench.py --processes 3 --json out.json     # 3 fresh processes, each with a fresh tuning cache
 
 The target and the drafter load with `from_pretrained` (the drafter through `AutoModel` with remote code, as from
 the Hub), `drafter.attach(target)` tunes both for this machine, and every run is a plain `target.generate()` call,
 with or without `assistant_model=drafter`. For each prompt the two run back to back, in an order alternated per
 prompt, so slow spells of a noisy machine slow both alike. Printed: tau (tokens committed per target forward, from
 `drafter.generation_stats`), the speedup as the ratio of tokens per second, the corrector's share of the
-speculative runs' time, and how many outputs are identical to plain greedy decoding.
+speculative runs' time, and how many outputs are identical to plain greedy decoding. With `--processes N` the
+whole run repeats in N fresh processes, each tuning from scratch (its own empty tuning cache), and the report gives
+each process's figures and their spread: how far a user's speed can swing from one start to the next.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +30,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf.assets import default_target_path, load_prompts_file, suite_prompts
+from dcoco_hf.tuning import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"
@@ -52,7 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block-size", type=int, default=None,
                         help="attach(target, block_size=B) instead of the block attach chooses for this machine")
     parser.add_argument("--json", default=None, help="write per-prompt records and the totals here")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="repeat the whole run in N fresh processes, each with an empty tuning cache")
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if args.processes > 1:
+        return repeat_in_processes(args, argv)
 
     target_path = args.target or default_target_path()
     target = AutoModelForCausalLM.from_pretrained(target_path).eval()
@@ -95,12 +108,54 @@ def main(argv: list[str] | None = None) -> dict:
           f"corrector share {100 * totals['corrector_share']:.1f}% | identical {totals['identical']}/{len(records)}")
     print(f"cycles per proposal length (0 = plain step): {totals['proposal_lengths']}")
     if args.json:
-        report = {"command_line": ["python", "scripts/api_bench.py", *(argv if argv is not None else sys.argv[1:])],
+        report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(),
                   "tuning": drafter.tuning.summary() if drafter.tuning else None, "totals": totals,
                   "records": records}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return totals
+
+
+def machine() -> str:
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def repeat_in_processes(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Run this script's measurement in `args.processes` fresh processes one after another, each with its own empty
+    tuning cache, and report every process's totals and the spread of their speedups."""
+    child_argv = _without_option(_without_option(argv, "--processes"), "--json")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="dcoco-hf-api-bench-") as scratch:
+        for index in range(args.processes):
+            out = Path(scratch) / f"run-{index}.json"
+            env = {**os.environ, "DCOCO_HF_TUNING_DIR": str(Path(scratch) / f"tuning-{index}")}
+            subprocess.run([sys.executable, __file__, *child_argv, "--json", str(out)], env=env, check=True)
+            runs.append(json.loads(out.read_text()))
+    speedups = [run["totals"]["speedup"] for run in runs]
+    middle = runs[sorted(range(len(runs)), key=speedups.__getitem__)[len(runs) // 2]]  # the median run
+    spread = {"speedups": speedups, "min": min(speedups), "max": max(speedups),
+              "max_over_min": max(speedups) / min(speedups), "median": statistics.median(speedups)}
+    print(f"{len(runs)} fresh processes: speedups {', '.join(f'{x:.2f}x' for x in speedups)} "
+          f"(max/min {spread['max_over_min']:.3f})")
+    if args.json:
+        report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(),
+                  "totals": middle["totals"], "records": middle["records"], "spread": spread, "runs": runs}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return middle["totals"]
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """argv less `name VALUE` / `name=VALUE`."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == name:
+            skip = True
+        elif not item.startswith(f"{name}="):
+            out.append(item)
+    return out
 
 
 def summarise(records: list[dict]) -> dict:

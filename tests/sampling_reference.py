@@ -34,7 +34,9 @@ def peaked_target():
 def random_drafter(target, seed: int, soft: bool = False):
     """A drafter with random backbone weights (seeded) and a scrambled corrector, so proposals are arbitrary.
 
-    `soft` shrinks the final norm: the drafter's own distribution is then far from one-hot.
+    `soft` shrinks the final norm: the drafter's own distribution is then far from one-hot. It proposes its whole
+    block every cycle (the constant schedule), so the first cycle's outcomes are known in advance;
+    tests/test_proposal.py samples under the cost-aware schedule.
     """
     from dcoco_hf import DCOCODrafter
 
@@ -46,7 +48,9 @@ def random_drafter(target, seed: int, soft: bool = False):
                 param.copy_(torch.randn(param.shape) * (0.5 if param.dim() > 1 else 0.1) + (param.dim() == 1))
         if soft:
             drafter.norm.weight.mul_(0.05)
-    return scrambled(drafter, seed=2)
+    drafter = scrambled(drafter, seed=2)
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    return drafter
 
 
 def warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:

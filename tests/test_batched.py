@@ -34,6 +34,7 @@ from transformers import LogitsProcessorList
 import dcoco_hf.generation as generation
 from dcoco_hf import CorpusBigrams, SpeculativeOutput, speculative_generate
 from dcoco_hf.cpu_linear import LAYOUTS
+from dcoco_hf.proposal import CycleCosts
 
 PAD = 0
 
@@ -177,13 +178,15 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("corrector,lengths,compaction", [
-    ("context_bigrams", [5, 12, 2], False), ("context_bigrams", [7, 7], True), ("lilicorr", [5, 12, 2], True),
+@pytest.mark.parametrize("corrector,lengths,compaction,schedule", [
+    ("context_bigrams", [5, 12, 2], False, "constant"), ("context_bigrams", [7, 7], True, "constant"),
+    ("lilicorr", [5, 12, 2], True, "constant"), ("context_bigrams", [5, 12, 2], False, "cost"),
 ])
-def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, monkeypatch):
+def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedule, monkeypatch):
     """Each cycle of the batched loop waits for the device once (accepted counts and finished rows, read together):
     padded and unpadded batches, a corrector reading context bigrams and corpus counts or a LiLiCorr head, rows
-    leaving the batch, and cache compaction, all without `time_phases`."""
+    leaving the batch, and cache compaction, all without `time_phases`. The cost-aware schedule reads the slots'
+    confidences once more per drafted cycle, to size the verify forward."""
     target, fitted_drafter = fitted
     if corrector == "lilicorr":
         drafter = lilicorr_copy(fitted_drafter, target)
@@ -192,6 +195,8 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, monkeyp
         texts = [(torch.arange(40) % VOCAB, torch.ones(40, dtype=torch.bool))]
         drafter = scrambled(fitted_drafter, seed=4, context_bigrams=True, corpus=CorpusBigrams.count(texts, VOCAB))
         drafter.config.correct_first_slot = True
+    drafter.generation_config.num_assistant_tokens_schedule = schedule
+    drafter.cycle_costs = CycleCosts(verify=[1.0] * 8, draft={8: 1e-9})  # drafting always pays: no plain steps
     if compaction:
         monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
     reads = _HostReads()
@@ -222,7 +227,8 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, monkeyp
     monkeypatch.undo()
     assert got.sequences.tolist() == expected.tolist()
     assert len(at_draft) > 4
-    assert [after - before for before, after in itertools.pairwise(at_draft)] == [1] * (len(at_draft) - 1)
+    per_cycle = 1 if schedule == "constant" else 2
+    assert [after - before for before, after in itertools.pairwise(at_draft)] == [per_cycle] * (len(at_draft) - 1)
 
 
 def test_cases_were_ragged_and_accepted(fitted, arch):

@@ -264,3 +264,31 @@ def test_sampling_is_exact_with_plain_steps_and_full_blocks(setting, monkeypatch
     spec_tv = total_variation(histogram(torch.cat(samples)), probs)
     assert spec_tv < q99, (spec_tv, q01, q99)
     assert lengths[0] > 0.05 * n and lengths[2] > 0.05 * n, lengths  # plain steps and full blocks both ran
+
+
+@pytest.mark.parametrize("costs", [NEVER_PAYS, FREE_VERIFY, CPU_LIKE], ids=["plain", "full", "mixed"])
+def test_batched_loop_is_exact_under_the_cost_aware_schedule(fitted, costs, monkeypatch):
+    """speculative_generate: one k per batched cycle, plain steps included, ragged rows, same tokens as plain
+    batched generate()."""
+    from dcoco_hf import speculative_generate
+
+    target, drafter = fitted
+    prompts = [_prompt(60 + i, 3 + 2 * i, target.config.vocab_size)[0] for i in range(4)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    attention_mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    expected = target.generate(ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    with schedule(drafter, costs=costs):
+        out = speculative_generate(target, ids, attention_mask=attention_mask, drafter=drafter, max_new_tokens=30)
+    assert out.sequences.tolist() == expected.tolist()
+    lengths = [sum(column) for column in zip(*(_padded(s.proposal_lengths, 8) for s in out.stats))]
+    if costs is NEVER_PAYS:
+        assert lengths[0] > sum(lengths[1:]), lengths
+    elif costs is FREE_VERIFY:
+        assert lengths[7] > 0 and not lengths[0], lengths
+    for row, stats in zip(range(4), out.stats):
+        assert stats.committed_tokens == 30, (row, stats.as_dict())
+
+
+def _padded(values, width):
+    return list(values) + [0] * (width - len(values))
