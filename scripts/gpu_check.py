@@ -394,8 +394,9 @@ def exactness(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
         for dtype in (torch.float32, torch.bfloat16):
             for arch in sizes.archs:
                 if not deadline.expired(f"greedy {arch} {dtype} {attn}"):
-                    greedy.append(section(f"greedy {arch} {dtype} {attn}",
-                                          lambda: greedy_case(arch, dtype, attn, device, sizes)))
+                    case = section(f"greedy {arch} {dtype} {attn}",
+                                   lambda: greedy_case(arch, dtype, attn, device, sizes))
+                    greedy.append({**case, "arch": arch, "dtype": str(dtype).removeprefix("torch."), "attention": attn})
     checks = {
         "sampling": lambda: sampling_check(device, sizes.samples),
         "stopping": lambda: stopping_check(device, sizes),
@@ -604,7 +605,8 @@ def markdown(report: dict) -> str:
         lines += [f"**transformers {env['transformers']} does not meet the package's {env['transformers_required']}**: "
                   "the checks that fail below may fail for that reason alone (each row says why).", ""]
     ex = report["exactness"]
-    lines += ["## Exactness", "", "| case | identical | partings (near-tie?) | tau | ok |", "| --- | --- | --- | --- | --- |"]
+    lines += ["## Exactness", "", "| case | identical | partings (near-tie?) | tau | ok |",
+              "| --- | --- | --- | --- | --- |"]
     for case in ex.get("greedy", []):
         name = f"greedy {case.get('arch')} {case.get('dtype')} {case.get('attention')}"
         if case["status"] != "ok":
@@ -626,7 +628,8 @@ def markdown(report: dict) -> str:
     if sh["status"] == "ok":
         lines += [f"Random-weight target, {sh['dtype']}, context {sh['context']}, plain step {ms(sh['plain_step_s'])} "
                   f"ms; tau from {sh['tau_source']}.", "",
-                  "| block | verify ms | draft ms | corrector ms | cycle ms | tau (CPU, real target) | projected ratio |",
+                  "| block | verify ms | draft ms | corrector ms | cycle ms | tau (CPU, real target) "
+                  "| projected ratio |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['block']} | {ms(r['verify_s'])} | {ms(r['draft_s'])} | {ms(r['corrector_s'])} | "
                   f"{ms(r['cycle_s'])} | {r['tau_cpu']:.3f} | {r['projected_ratio']:.2f}x |" for r in sh["rows"]]
@@ -637,7 +640,8 @@ def markdown(report: dict) -> str:
     if co["status"] == "ok":
         lines += [f"Target: {co['target_params'] / 1e9:.2f}B parameters ({co['target_shape']['num_hidden_layers']} "
                   f"layers, hidden {co['target_shape']['hidden_size']}), {co['dtype']}, context {co['context']}; "
-                  f"drafter {co['drafter_layers']} layers, blocks of {co['block_size']}, top-{co['top_k']}.", "","| mode | batch | plain step ms | verify 16 rows ms | draft ms | dcoco ms | lilicorr ms |",
+                  f"drafter {co['drafter_layers']} layers, blocks of {co['block_size']}, top-{co['top_k']}.", "",
+                  "| mode | batch | plain step ms | verify 16 rows ms | draft ms | dcoco ms | lilicorr ms |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in co["rows"]:
             if "batch" not in r:
