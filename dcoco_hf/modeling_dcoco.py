@@ -1013,7 +1013,7 @@ _HUB_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "proxies", "
 
 def _names_base(source: Any, config: Any, hub: dict[str, Any]) -> bool:
     """Whether the folder `source` (or the `config` passed with it) names a base drafter."""
-    if config is not None:
+    if config is not None or source is None:
         return getattr(config, "base_drafter", None) is not None
     try:
         return DCOCOConfig.get_config_dict(source, **hub)[0].get("base_drafter") is not None
@@ -1028,21 +1028,22 @@ def _not_a_load_report(record: logging.LogRecord) -> bool:
 @contextmanager
 def _quiet_loading_report(quiet: bool) -> Iterator[None]:
     """Drop transformers' per-key loading report (one warning, logged by modeling_utils) while `quiet`."""
-    loggers = [logging.getLogger("transformers.modeling_utils")] if quiet else []
-    for each in loggers:
-        each.addFilter(_not_a_load_report)
+    report = logging.getLogger("transformers.modeling_utils")
+    if quiet:
+        report.addFilter(_not_a_load_report)
     try:
         yield
     finally:
-        for each in loggers:
-            each.removeFilter(_not_a_load_report)
+        report.removeFilter(_not_a_load_report)  # a no-op when it was not added
 
 
 def resolve_base(source: str | os.PathLike, base: str) -> str:
-    """Where the base drafter named by the folder `source` (`config.base_drafter`) lives: the folder at `base` relative
-    to `source` when there is one, else `base` as given (an absolute path or a Hub id)."""
-    candidate = os.path.normpath(os.path.join(source, base))
-    return candidate if os.path.isdir(candidate) else base
+    """Where the base drafter named by the folder `source` (`config.base_drafter`) lives. A `base` starting with ./ or
+    ../ is relative to `source`: a local folder, or for a Hub id `source` the repository it names ("../dcoco" from
+    "org/lilicorr" is "org/dcoco"). Any other `base` is an absolute path or a Hub id as it stands."""
+    if base.startswith(("./", "../")):
+        return os.path.normpath(os.path.join(source, base))
+    return base
 
 
 def base_tensors(source: str | os.PathLike, base: str, names: Any, **hub: Any) -> dict[str, torch.Tensor]:
@@ -1053,9 +1054,8 @@ def base_tensors(source: str | os.PathLike, base: str, names: Any, **hub: Any) -
     except OSError as error:
         raise OSError(
             f"{source} names base_drafter={base!r} for the weights its model.safetensors does not hold (the backbone), "
-            f"but no drafter was found there (looked for {os.path.normpath(os.path.join(source, base))} and the Hub id "
-            f"{base!r}: {error}). Put the base drafter's folder at that path, or set base_drafter in {source}'s "
-            "config.json to its folder or Hub id."
+            f"but no drafter was found at {where} ({error}). Put the base drafter's folder at that path, or set "
+            f"base_drafter in {source}'s config.json to its folder or Hub id."
         ) from error
     with safe_open(path, "pt") as file:
         return {name: file.get_tensor(name) for name in set(file.keys()) & set(names)}

@@ -14,6 +14,7 @@ from transformers import AutoModel
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import load_default_target
+from dcoco_hf.modeling_dcoco import resolve_base
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 BASE, HEAD = CARDS / "dcoco-smollm2-135m", CARDS / "lilicorr-smollm2-135m"
@@ -61,6 +62,11 @@ def test_base_named_by_absolute_path(pair, tmp_path):
     root, _, head = pair
     head.save_pretrained(tmp_path / "head", base_drafter=str(root / "base"))
     _assert_same_state(DCOCODrafter.from_pretrained(tmp_path / "head"), head)
+
+
+def test_a_relative_base_of_a_hub_folder_is_a_sibling_repository():
+    assert resolve_base("org/lilicorr-smollm2-135m", "../dcoco-smollm2-135m") == "org/dcoco-smollm2-135m"
+    assert resolve_base("org/lilicorr-smollm2-135m", "other/dcoco") == "other/dcoco"  # a Hub id as it stands
 
 
 def test_missing_base_is_a_clear_error(pair, tmp_path):

@@ -69,8 +69,9 @@ class DCOCOConfig(PreTrainedConfig):
             in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
         base_drafter: when set, this folder's model.safetensors holds only the tensors that differ from another
             drafter's (e.g. a corrector head trained on a frozen backbone), and `from_pretrained` reads the rest from
-            that drafter: a folder path relative to this folder (`"../dcoco-smollm2-135m"`), an absolute path, or a
-            Hub id (`"org/dcoco-smollm2-135m"`), as PEFT adapters name their base model. None: the file is complete.
+            that drafter, as PEFT adapters name their base model: a path relative to this folder, starting with ./ or
+            ../ (`"../dcoco-smollm2-135m"`; from a Hub repository "org/name" it names "org/dcoco-smollm2-135m"), an
+            absolute path, or a Hub id (`"org/dcoco-smollm2-135m"`). None: the file is complete.
             `save_pretrained(folder)` writes complete weights; `save_pretrained(folder, base_drafter=...)` writes
             only what differs from that drafter.
 
