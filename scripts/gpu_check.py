@@ -421,7 +421,7 @@ def step_and_verify_seconds(target, batch: int, context: int, rows: list[int], r
     cache = DynamicCache(config=target.config)
     prefix = torch.randint(1, vocab, (batch, context), device=device)
     with torch.no_grad():
-        target(prefix, past_key_values=cache, use_cache=True)
+        target(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)  # not [B, context, V] logits
         result = {}
         for n in rows:
             new = torch.randint(1, vocab, (batch, n), device=device)  # [B, n]
