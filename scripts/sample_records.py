@@ -18,9 +18,7 @@ import random
 import re
 from pathlib import Path
 
-import torch
-
-from dcoco_hf.training.data import load_shards
+from dcoco_hf.training.data import load_shards, save_shard
 
 
 def sampled_indices(total: int, count: int, seed: int, exclude: set[int]) -> list[int]:
@@ -44,7 +42,7 @@ def write_sample(source: Path, records: list[dict], output: Path, indices: list[
         raise SystemExit(f"{output}: record {max(indices)} is not in {source} ({len(records)} records); regenerate "
                          "the answer set that list was drawn from")
     output.mkdir(parents=True, exist_ok=True)
-    torch.save([records[index] for index in indices], output / "shard-00000.pt")
+    save_shard([records[index] for index in indices], output / "shard-00000.pt")
     (output / "SOURCE.txt").write_text(f"{len(indices)} records {note} from {source}: {indices}\n")
     print(f"{output}: {len(indices)} of {len(records)} records")
 

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.corrector import CorpusBigrams, DCOCOCorrector
-from dcoco_hf.training import drafter_loss, target_context
+from dcoco_hf.training import fit_on_own_answers
 
 # attach() caches its CPU measurements on disk; tests keep theirs out of the user's ~/.cache.
 os.environ.setdefault("DCOCO_HF_TUNING_DIR", tempfile.mkdtemp(prefix="dcoco-hf-tuning-"))
@@ -49,23 +49,7 @@ def make_target(arch: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module
 def fit_drafter(target, block_size: int = 8, top_k: int = 4, steps: int = 120, seed: int = 0) -> DCOCODrafter:
     torch.manual_seed(seed)
     drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=block_size, top_k=top_k)
-    prompts = torch.randint(0, target.config.vocab_size, (48, PROMPT_LEN))
-    sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, do_sample=False)
-    loss_mask = torch.zeros_like(sequences, dtype=torch.bool)
-    loss_mask[:, PROMPT_LEN:] = True
-    states, argmax = target_context(target, drafter.config.target_layer_ids, sequences)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(seed)
-    drafter.train()
-    for _ in range(steps):
-        rows = torch.randint(0, sequences.shape[0], (16,), generator=generator)
-        loss = drafter_loss(
-            drafter, sequences[rows], loss_mask[rows], states[rows], argmax[rows], num_anchors=8, generator=generator
-        ).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
+    return fit_on_own_answers(drafter, target, steps=steps, prompt_len=PROMPT_LEN, seed=seed)
 
 
 def scrambled(

@@ -19,7 +19,7 @@ from dcoco_hf.training import (
     target_context,
     transition_labels,
 )
-from dcoco_hf.training.data import cache_target_features, load_shards
+from dcoco_hf.training.data import cache_target_features, load_shards, save_shard
 from dcoco_hf.training.losses import dcoco_loss, successor_loss
 from dcoco_hf.training.objective import drafter_loss, successor_accuracy
 from dcoco_hf.training.trainer import (
@@ -211,9 +211,25 @@ def test_cached_features_of_changed_data_are_refused(tmp_path):
     (tmp_path / "features" / "shard-00000.source-sha256").unlink()  # a cache from before fingerprints: checked once
     cache_target_features(target, [1], tmp_path, tmp_path / "features")
     assert (tmp_path / "features" / "shard-00000.source-sha256").exists()
+    save_shard(torch.load(tmp_path / "shard-00000.pt"), tmp_path / "shard-00000.pt")  # same records, other bytes
+    cache_target_features(target, [1], tmp_path, tmp_path / "features")
     shard(7)  # the data folder regenerated under the same name
     with pytest.raises(ValueError, match="other records"):
         cache_target_features(target, [1], tmp_path, tmp_path / "features")
+
+
+def test_a_saved_shard_loads_as_the_same_records_with_one_storage_per_field(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    records = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32),
+                "loss_mask": torch.rand(n, generator=generator) > 0.5} for n in (3, 9, 1, 5)]
+    save_shard(records, tmp_path / "shard-00000.pt")
+    loaded = torch.load(tmp_path / "shard-00000.pt")
+    assert [r.keys() for r in loaded] == [r.keys() for r in records]
+    for got, want in zip(loaded, records, strict=True):
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
+    for name in records[0]:
+        assert len({r[name].untyped_storage().data_ptr() for r in loaded}) == 1
 
 
 @pytest.mark.slow

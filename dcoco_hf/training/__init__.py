@@ -7,7 +7,7 @@ from .losses import (
     sample_anchors,
     transition_labels,
 )
-from .objective import DrafterLoss, drafter_loss, target_context
+from .objective import DrafterLoss, drafter_loss, fit_on_own_answers, target_context
 from .retarget import lora_config_for_drafter, measure_tau
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "dcoco_loss",
     "dflash_loss",
     "drafter_loss",
+    "fit_on_own_answers",
     "lora_config_for_drafter",
     "measure_tau",
     "pack_blocks",

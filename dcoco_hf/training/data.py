@@ -201,9 +201,7 @@ def teacher_forced_shards(
             prompt = chat_input_ids(tokenizer, user)[0]
             answer = tokenizer(assistant, add_special_tokens=False, return_tensors="pt").input_ids[0]
             records.append(_record(prompt, answer[: max(0, max_length - len(prompt))]))
-        tmp = path.with_suffix(".tmp")
-        torch.save(records, tmp)
-        tmp.rename(path)
+        save_shard(records, path)
     return out_dir
 
 
@@ -323,10 +321,23 @@ def regenerate(
             for prompt, row in zip(batch, out[:, ids.shape[1] :]):
                 response = _until_eos(row, target.generation_config.eos_token_id)
                 records.append(_record(prompt, response))
-        tmp = path.with_suffix(".tmp")
-        torch.save(records, tmp)
-        tmp.rename(path)
+        save_shard(records, path)
     return out_dir
+
+
+def save_shard(records: list[dict[str, torch.Tensor]], path: str | Path) -> None:
+    """Write `records` to `path` atomically, each field of every record a view into one tensor per field.
+
+    torch.save stores one zip entry per storage, so a shard of 64 records packed this way holds 2 entries instead of
+    128 and is about a quarter smaller; torch.load returns the same records.
+    """
+    names = list(records[0]) if records else []
+    columns = {name: torch.cat([r[name] for r in records]).split([len(r[name]) for r in records]) for name in names}
+    packed = [{name: columns[name][row] for name in names} for row in range(len(records))]
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    torch.save(packed, tmp)
+    tmp.rename(path)
 
 
 def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
@@ -442,9 +453,8 @@ def _check_cached_source(source: Path, cached: Path) -> None:
     """A cached feature shard is reused only for the very data shard it was computed from: a folder regenerated
     under the same name (other prompts, other answers) must not silently train on the old records' features."""
     stamp = _fingerprint_file(cached)
-    if stamp.exists():
-        same = stamp.read_text() == _fingerprint(source)
-    else:  # cached before shards were fingerprinted: compare the token ids once, then stamp it
+    same = stamp.exists() and stamp.read_text() == _fingerprint(source)
+    if not same:  # never stamped, or the shard file was rewritten (e.g. repacked): compare the token ids once
         old, new = torch.load(cached), torch.load(source)
         same = len(old) == len(new) and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(old, new))
         if same:

@@ -215,3 +215,35 @@ def successor_accuracy(
     drafter = (after == 0)[usable].float().mean()
     corrector = (row.argmax(-1) == after)[usable].float().mean()
     return drafter, corrector
+
+
+def fit_on_own_answers(
+    drafter: torch.nn.Module,
+    target: torch.nn.Module,
+    steps: int = 120,
+    prompts: int = 48,
+    prompt_len: int = 6,
+    new_tokens: int = 40,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A few seconds of `drafter_loss` on the target's own greedy answers to random prompts (AdamW, lr 3e-3):
+    enough for a tiny random-weight target's drafts to be accepted often, so checks of the acceptance path have
+    accepted drafts to check. Not a training recipe (that is `scripts/train_drafter.py`). Prompts come from torch's
+    global generator; returns the drafter in eval mode."""
+    ids = torch.randint(0, target.config.vocab_size, (prompts, prompt_len)).to(target.device)
+    sequences = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    loss_mask = torch.zeros_like(sequences, dtype=torch.bool)
+    loss_mask[:, prompt_len:] = True
+    states, argmax = target_context(target, drafter.config.target_layer_ids, sequences)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    drafter.train()
+    for _ in range(steps):
+        rows = torch.randint(0, sequences.shape[0], (16,), generator=generator)
+        loss = drafter_loss(
+            drafter, sequences[rows], loss_mask[rows], states[rows], argmax[rows], num_anchors=8, generator=generator
+        ).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()

@@ -15,6 +15,7 @@ its target once; `target.generate(**inputs, assistant_model=drafter)` then specu
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import threading
 import time
@@ -900,16 +901,22 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
         # A public LiLiCorr folder names its head `lilicorr.*` (ours: `corrector.*`); other folders have no such keys.
         kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        hub = {name: kwargs[name] for name in _HUB_KEYWORDS if name in kwargs}
         try:
-            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+            # transformers would report the backbone of a head-only folder as "newly initialized"; it is read next.
+            with _quiet_loading_report(_names_base(source, kwargs.get("config"), hub)):
+                model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
-            source = str(args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+            source = str(source)
             files = sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else []
             raise OSError(
                 f"Cannot read the drafter weights in {', '.join(files) or source} ({error}): the file is truncated "
                 "or corrupt, e.g. by an interrupted download or save. Delete it, then download or save the checkpoint "
                 "again."
             ) from error
+        if model.config.base_drafter is not None:  # a head-only folder: the rest comes from the drafter it names
+            info["missing_keys"] = model._fill_from_base(source, info.get("missing_keys", ()), hub)
         if "draft_token_ids" in info.get("missing_keys", ()):  # a DFlash export's draft vocabulary comes as `d2t`
             info["missing_keys"] = model._adopt_d2t(args[0] if args else kwargs["pretrained_model_name_or_path"], info)
         missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
@@ -936,6 +943,20 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         model._settle_decoding(decoding)  # transformers replaced the generation config with the folder's
         return (model, info) if want_info else model
 
+    @torch.no_grad()
+    def _fill_from_base(self, source: str | os.PathLike, missing_keys: Any, hub: dict[str, Any]) -> list[str]:
+        """After loading a folder that names a `base_drafter`: read the tensors its file lacks from the base's file.
+        Returns the keys still missing (the caller's checks name them)."""
+        missing = set(missing_keys)
+        base = base_tensors(source, self.config.base_drafter, missing, **hub)
+        self.load_state_dict(base, strict=False)
+        self._draft_head = None  # the draft vocabulary may have come from the base
+        missing -= set(base)
+        head = sorted(name for name in missing if name.startswith("corrector."))
+        if head:  # neither file has them: a fresh head would score a believable but wrong function
+            raise ValueError(f"{source} and its base_drafter lack {len(head)} corrector tensor(s), e.g. {head[:4]}.")
+        return sorted(missing)
+
     def _adopt_d2t(self, source: str | os.PathLike, info: dict) -> list[str]:
         """After loading a DFlash folder whose config names a draft vocabulary (`dcoco_hf.export`, vLLM's layout): set
         it from the folder's `d2t` (draft column i proposes target token i + d2t[i]). Returns the keys still missing."""
@@ -958,15 +979,37 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.corrector.set_gate(1.0)
         self.config.architectures = [type(self).__name__]  # from now on it is one of ours (saved as corrector.*)
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, format: str = "dcoco", **kwargs: Any):
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *args: Any,
+        format: str = "dcoco",
+        base_drafter: str | None = None,
+        **kwargs: Any,
+    ):
         """`PreTrainedModel.save_pretrained`; `format="lilicorr"` writes the public LiLiCorr format instead
         (`LiLiCorrDraftModel`, `dflash_config.lilicorr_*`, weights `lilicorr.*` next to the DFlash backbone, the score
-        gate folded into `lilicorr_logit_scale`, no draft vocabulary), which the public servers load."""
+        gate folded into `lilicorr_logit_scale`, no draft vocabulary), which the public servers load.
+
+        Weights are written complete, also for a drafter loaded from a head-only folder. `base_drafter` (a folder
+        relative to `save_directory`, an absolute path or a Hub id; see `DCOCOConfig.base_drafter`) writes only the
+        tensors that are not bit-identical to that drafter's, and names it in config.json.
+        """
         if format == "lilicorr":
+            if base_drafter is not None:
+                raise ValueError("format='lilicorr' writes complete weights: the public format names no base drafter.")
             return save_public(self, save_directory)
         if format != "dcoco":
             raise ValueError(f"format={format!r} is unknown: use 'dcoco' (ours, the default) or 'lilicorr' (public).")
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        if base_drafter is not None:
+            state = kwargs.pop("state_dict", None) or self.state_dict()
+            base = base_tensors(save_directory, base_drafter, state)
+            kwargs["state_dict"] = {name: t for name, t in state.items() if not _same_tensor(t, base.get(name))}
+        loaded_from, self.config.base_drafter = self.config.base_drafter, base_drafter
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.config.base_drafter = loaded_from
 
 
 _CLAIM_LOCK = threading.Lock()
@@ -994,6 +1037,65 @@ class _EngineHandle(_Call):
 
     def crop(self, max_length: int) -> None:
         return None
+
+
+# from_pretrained keywords that say where and how to fetch files, passed on when fetching the base drafter.
+_HUB_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
+
+
+def _names_base(source: Any, config: Any, hub: dict[str, Any]) -> bool:
+    """Whether the folder `source` (or the `config` passed with it) names a base drafter."""
+    if config is not None or source is None:
+        return getattr(config, "base_drafter", None) is not None
+    try:
+        return DCOCOConfig.get_config_dict(source, **hub)[0].get("base_drafter") is not None
+    except OSError:  # no config to read: from_pretrained itself says what is wrong with the source
+        return False
+
+
+def _not_a_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_loading_report(quiet: bool) -> Iterator[None]:
+    """Drop transformers' per-key loading report (one warning, logged by modeling_utils) while `quiet`."""
+    report = logging.getLogger("transformers.modeling_utils")
+    if quiet:
+        report.addFilter(_not_a_load_report)
+    try:
+        yield
+    finally:
+        report.removeFilter(_not_a_load_report)  # a no-op when it was not added
+
+
+def resolve_base(source: str | os.PathLike, base: str) -> str:
+    """Where the base drafter named by the folder `source` (`config.base_drafter`) lives. A `base` starting with ./ or
+    ../ is relative to `source`: a local folder, or for a Hub id `source` the repository it names ("../dcoco" from
+    "org/lilicorr" is "org/dcoco"). Any other `base` is an absolute path or a Hub id as it stands."""
+    if base.startswith(("./", "../")):
+        return os.path.normpath(os.path.join(source, base))
+    return base
+
+
+def base_tensors(source: str | os.PathLike, base: str, names: Any, **hub: Any) -> dict[str, torch.Tensor]:
+    """The tensors among `names` in the model.safetensors of the base drafter `base` named by the folder `source`."""
+    where = resolve_base(source, base)
+    try:
+        path = cached_file(where, "model.safetensors", **hub)
+    except OSError as error:
+        raise OSError(
+            f"{source} names base_drafter={base!r} for the weights its model.safetensors does not hold (the backbone), "
+            f"but no drafter was found at {where} ({error}). Put the base drafter's folder at that path, or set "
+            f"base_drafter in {source}'s config.json to its folder or Hub id."
+        ) from error
+    with safe_open(path, "pt") as file:
+        return {name: file.get_tensor(name) for name in set(file.keys()) & set(names)}
+
+
+def _same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
+    return other is not None and tensor.shape == other.shape and tensor.dtype == other.dtype and torch.equal(
+        tensor.detach().cpu(), other)
 
 
 @torch.no_grad()

@@ -67,6 +67,13 @@ class DCOCOConfig(PreTrainedConfig):
         lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
         lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
             in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
+        base_drafter: when set, this folder's model.safetensors holds only the tensors that differ from another
+            drafter's (e.g. a corrector head trained on a frozen backbone), and `from_pretrained` reads the rest from
+            that drafter, as PEFT adapters name their base model: a path relative to this folder, starting with ./ or
+            ../ (`"../dcoco-smollm2-135m"`; from a Hub repository "org/name" it names "org/dcoco-smollm2-135m"), an
+            absolute path, or a Hub id (`"org/dcoco-smollm2-135m"`). None: the file is complete.
+            `save_pretrained(folder)` writes complete weights; `save_pretrained(folder, base_drafter=...)` writes
+            only what differs from that drafter.
 
     How the drafter decodes (the corrector's walk, the measured tau per block size) is no architecture: it lives in
     the drafter's generation config (`DecodingChoices`). `selection`, `geometric_lambda` and `block_tau`, which
@@ -114,6 +121,7 @@ class DCOCOConfig(PreTrainedConfig):
     lilicorr_factor_dim: int = 64
     lilicorr_vector_eps: float = 1e-4
     lilicorr_logit_scale: float = 10.0
+    base_drafter: str | None = None
 
     def __init__(
         self,
@@ -154,6 +162,7 @@ class DCOCOConfig(PreTrainedConfig):
         lilicorr_factor_dim: int = 64,
         lilicorr_vector_eps: float = 1e-4,
         lilicorr_logit_scale: float = 10.0,
+        base_drafter: str | None = None,
         dflash_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -211,6 +220,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.lilicorr_factor_dim = int(lilicorr_factor_dim)
         self.lilicorr_vector_eps = float(lilicorr_vector_eps)
         self.lilicorr_logit_scale = float(lilicorr_logit_scale)
+        self.base_drafter = base_drafter
         # Decoding choices a config.json written before they moved to generation_config.json still holds.
         self.legacy_decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
         kwargs.setdefault("tie_word_embeddings", False)

@@ -1,0 +1,108 @@
+"""Head-only drafter folders (`config.base_drafter`): a folder that stores only the tensors that differ from another
+drafter's, e.g. a corrector head trained on a frozen backbone, loads complete and bit-identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_target, scrambled
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+from dcoco_hf import DCOCODrafter
+from dcoco_hf.assets import load_default_target
+from dcoco_hf.modeling_dcoco import resolve_base
+
+CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+BASE, HEAD = CARDS / "dcoco-smollm2-135m", CARDS / "lilicorr-smollm2-135m"
+
+
+def _assert_same_state(first: torch.nn.Module, second: torch.nn.Module) -> None:
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A saved base drafter and, next to it, a head-only folder of the same backbone with another corrector."""
+    target = make_target("llama")
+    base = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    head = scrambled(base, seed=3)
+    root = tmp_path_factory.mktemp("cards")
+    base.save_pretrained(root / "base")
+    head.save_pretrained(root / "head", base_drafter="../base")
+    return root, base, head
+
+
+def test_head_only_folder_holds_only_what_differs(pair):
+    root, base, head = pair
+    stored = load_file(root / "head" / "model.safetensors")
+    assert stored and all(name.startswith("corrector.") for name in stored)
+    assert json.loads((root / "head" / "config.json").read_text())["base_drafter"] == "../base"
+    assert head.config.base_drafter is None  # naming the base is the saved folder's business, not the model's
+    _assert_same_state(DCOCODrafter.from_pretrained(root / "head"), head)
+    _assert_same_state(AutoModel.from_pretrained(root / "head", trust_remote_code=True), head)
+
+
+def test_a_loaded_head_saves_complete(pair, tmp_path):
+    root, _, head = pair
+    loaded = DCOCODrafter.from_pretrained(root / "head")
+    loaded.save_pretrained(tmp_path / "full")
+    assert json.loads((tmp_path / "full" / "config.json").read_text()).get("base_drafter") is None
+    assert load_file(tmp_path / "full" / "model.safetensors").keys() == head.state_dict().keys()
+    _assert_same_state(DCOCODrafter.from_pretrained(tmp_path / "full"), head)
+
+
+def test_base_named_by_absolute_path(pair, tmp_path):
+    root, _, head = pair
+    head.save_pretrained(tmp_path / "head", base_drafter=str(root / "base"))
+    _assert_same_state(DCOCODrafter.from_pretrained(tmp_path / "head"), head)
+
+
+def test_a_relative_base_of_a_hub_folder_is_a_sibling_repository():
+    assert resolve_base("org/lilicorr-smollm2-135m", "../dcoco-smollm2-135m") == "org/dcoco-smollm2-135m"
+    assert resolve_base("org/lilicorr-smollm2-135m", "other/dcoco") == "other/dcoco"  # a Hub id as it stands
+
+
+def test_missing_base_is_a_clear_error(pair, tmp_path):
+    root, _, head = pair
+    head.save_pretrained(tmp_path / "head", base_drafter=str(root / "base"))
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    (tmp_path / "head" / "config.json").write_text(json.dumps({**config, "base_drafter": "../nowhere"}))
+    with pytest.raises(OSError, match=r"base_drafter='../nowhere'.*Put the base drafter's folder at that path"):
+        DCOCODrafter.from_pretrained(tmp_path / "head", local_files_only=True)
+
+
+def test_shipped_lilicorr_folder_is_its_head_on_the_dcoco_backbone():
+    """The LiLiCorr card stores its head and names the DCOCO card; every other tensor it loads is the DCOCO card's."""
+    assert json.loads((HEAD / "config.json").read_text())["base_drafter"] == "../dcoco-smollm2-135m"
+    stored, base = load_file(HEAD / "model.safetensors"), load_file(BASE / "model.safetensors")
+    state = DCOCODrafter.from_pretrained(HEAD).state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, stored[name] if name in stored else base[name]), name
+    assert not any(name.startswith(("fc.", "layers.", "norm.", "hidden_norm.")) for name in stored)
+    assert not any(name in base and torch.equal(stored[name], base[name]) for name in stored)  # nothing twice
+
+
+@pytest.mark.slow
+def test_shipped_lilicorr_drafts_as_its_complete_save(tmp_path):
+    """Head + base and a complete save of it draft the same tokens on the real target, cycle by cycle."""
+    target, tokenizer = load_default_target()
+    loaded = DCOCODrafter.from_pretrained(HEAD)
+    loaded.save_pretrained(tmp_path / "full")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    runs = []
+    for drafter in (loaded, DCOCODrafter.from_pretrained(tmp_path / "full")):
+        drafter.attach(target, tune=False)
+        with torch.no_grad():
+            out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+        stats = drafter.generation_stats(out).as_dict()
+        runs.append((out.tolist(), {k: v for k, v in stats.items() if not k.endswith("_seconds")}))
+        drafter.detach()
+    assert runs[0] == runs[1]
