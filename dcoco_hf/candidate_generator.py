@@ -33,6 +33,7 @@ from .context_cache import DraftContextCache
 from .proposal import (
     COST_SCHEDULE,
     chain_labels,
+    draftable_share,
     next_plain_run,
     slot_confidence,
     update_recent,
@@ -104,9 +105,12 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.recent = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0  # running slot-1 rate
         self.plain_run = 0  # the last run of plain steps the schedule planned
         self.plain_left = 0  # plain steps still to take before the next draft
-        self._unlabelled: list[tuple[int, list[int], list[float], list[float], float]] = []
+        self._unlabelled: list[tuple[int, list[int], list[float], list[float], float, float]] = []
+        ids = drafter.draft_token_ids
+        self.draft_vocabulary = frozenset(ids.tolist()) if ids is not None and self.schedule is not None else None
         self._cycle_start: float | None = None  # when the previous get_candidates started
         self._drafted = 0  # cycles drafted in this call
+        self._last_committed_tail: list[int] = []  # the newest committed tokens, read with a draft vocabulary
         self._plain_since_draft = 0  # plain steps the schedule took since the last draft
         on_forward = self._on_target_forward if self.driver is not None else None
         self.tap.listen(self, timed=self.timed, on_forward=on_forward)
@@ -128,6 +132,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         committed = input_ids[0]
         self._finish_cycle(committed)
         self._label_drafts(committed)
+        if self.draft_vocabulary is not None:
+            self._last_committed_tail = committed[-_DRAFTABLE_WINDOW:].tolist()
         context, positions = self._new_context(committed)
         length = committed.shape[0]
         block = self.drafter.config.block_size
@@ -156,10 +162,12 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         confidence = slot_confidence(
             proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
         )[0].tolist()  # [S]
-        predicted = self.schedule.acceptance.predict(confidence, self.recent)
+        draftable = draftable_share(self._last_committed_tail, self.draft_vocabulary)
+        predicted = self.schedule.acceptance.predict(confidence, self.recent, draftable)
         choice = self.schedule.choose(predicted, cap, self.floor, self.drafter.config.block_size)
         if self._drafted:  # the call's first draft precedes the prompt's forward: it has no context to go by
-            self._unlabelled.append((length, proposal.tokens[0].tolist(), confidence, predicted, self.recent))
+            entry = (length, proposal.tokens[0].tolist(), confidence, predicted, self.recent, draftable)
+            self._unlabelled.append(entry)
             self.plain_run = next_plain_run(choice.gain, self.plain_run)
             if self.plain_run and self.driver is not None:
                 self.plain_left, self.driver.num_assistant_tokens = self.plain_run, 0
@@ -183,13 +191,13 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         known = committed.tolist()
         waiting = []
         for entry in self._unlabelled:
-            length, proposed, confidence, predicted, recent = entry
+            length, proposed, confidence, predicted, recent, draftable = entry
             labels = chain_labels(proposed, known[length : length + len(proposed)])
             if not final and len(labels) < len(proposed) and all(labels):
                 waiting.append(entry)  # every slot so far right: the next ones are not committed yet
                 continue
             if labels:
-                self.schedule.acceptance.observe(confidence, recent, labels)
+                self.schedule.acceptance.observe(confidence, recent, labels, draftable)
                 self.stats.observe_prediction(predicted, labels)
                 self.recent = update_recent(self.recent, labels[0])
         self._unlabelled = waiting
@@ -318,6 +326,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.stats.observe_candidates(candidates[: truth.shape[0]] == truth[:, None])  # [s, K]
         self._slot_candidates = []
 
+
+_DRAFTABLE_WINDOW = 8  # committed tokens whose share inside the draft vocabulary predicts the next ones
 
 _OTHER_CALL = (
     "These sequences did not come from the last generate() call that consulted this drafter (a call with fewer than 2 "

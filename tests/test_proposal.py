@@ -29,6 +29,7 @@ from dcoco_hf.proposal import (
     chain_labels,
     chain_prior,
     check_schedule,
+    draftable_share,
     isotonic,
     next_plain_run,
     slot_confidence,
@@ -98,9 +99,16 @@ def test_acceptance_fit_learns_what_the_prior_does_not_know():
         model.observe([0.95, 0.95], 0.5, [True, True])
         model.observe([0.2, 0.2], 0.5, [False])
     sure, unsure = model.predict([0.95, 0.95], 0.5), model.predict([0.2, 0.2], 0.5)
-    assert sure[0] > 0.8 and unsure[0] < 0.2 and model.w_confidence > 0
-    # A call whose drafts keep failing lowers every slot's prediction.
+    assert sure[0] > 0.8 and unsure[0] < 0.2 and model.weights[0] > 0
+    # A call whose drafts keep failing lowers every slot's prediction, and so does text the draft vocabulary lacks.
     assert model.predict([0.95, 0.95], recent=0.05)[0] < sure[0]
+    fresh = AcceptanceModel([0.5, 0.5])
+    assert fresh.predict([0.9], recent=0.5, draftable=0.25)[0] < 0.1 < fresh.predict([0.9], recent=0.5)[0]
+
+
+def test_draftable_share_reads_the_draft_vocabulary():
+    assert draftable_share([1, 2, 3, 9], frozenset({1, 2, 3})) == 0.75
+    assert draftable_share([1, 2], None) == 1.0 and draftable_share([], frozenset({1})) == 1.0
 
 
 def test_the_choice_trades_expected_tokens_against_cycle_costs():
