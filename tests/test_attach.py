@@ -4,11 +4,13 @@ undoes it exactly; the measurements are cached on disk for the next process (iss
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,26 @@ def test_detach_then_reattach_and_copies():
         drafter.target  # noqa: B018
     drafter.attach(target, tune=False)
     assert drafter.target is target
+
+
+
+def test_a_dropped_drafter_that_served_calls_is_freed_with_its_hooks():
+    # README's per-thread recipe: a copy attached, used, dropped. The tap the target holds through its hooks must not
+    # keep the last engine (and so the drafter) alive, or its hooks and weights pile up on the target.
+    target = make_target("llama")
+    drafter = _drafter(target)
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    hooks = _hooks(target)
+    for _ in range(3):
+        copy_ = copy.deepcopy(drafter).attach(target, tune=False)
+        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=copy_, max_new_tokens=8,
+                        do_sample=False)
+        assert _hooks(target) > hooks
+        alive = weakref.ref(copy_)
+        del copy_
+        gc.collect()
+        assert alive() is None
+        assert _hooks(target) == hooks
 
 
 _SECOND_PROCESS = textwrap.dedent(
