@@ -186,6 +186,76 @@ def test_an_unreadable_cache_file_is_measured_again(tmp_path, monkeypatch):
     assert not again.from_cache and json.loads(again.cache_file.read_text())["block_choice"] is not None
 
 
+
+def _edited(data: dict, path: str, value) -> dict:
+    """A deep copy of `data` with the entry at the dotted `path` set to `value`."""
+    data = copy.deepcopy(data)
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return data
+
+
+_NO_KEY = object()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: None, lambda d: [], lambda d: 5, lambda d: "text",
+        lambda d: _edited(d, "target_layout", ["gemm"]), lambda d: _edited(d, "target_layout", {"x": "gemm"}),
+        lambda d: _edited(d, "target_layout", {str(r): "gemm" for r in range(2, 3_000_000)}),
+        lambda d: _edited(d, "drafter_layout", {k: "fastest" for k in d["drafter_layout"]}),
+        lambda d: _edited(d, "block_choice", "4"), lambda d: _edited(d, "block_choice.block_size", 99),
+        lambda d: {**d, "block_choice": {k: v for k, v in d["block_choice"].items() if k != "tau"}},
+        lambda d: _edited(d, "block_choice.cycle_seconds", {k: 0 for k in d["block_choice"]["cycle_seconds"]}),
+        lambda d: _edited(d, "block_choice.tau", {k: "fast" for k in d["block_choice"]["tau"]}),
+    ],
+    ids=["null", "list", "number", "string", "layout-list", "layout-key-x", "layout-3M-rows", "layout-unknown",
+         "choice-string", "block-99", "no-tau", "zero-cycle", "tau-string"],
+)
+def test_a_cache_file_of_the_wrong_shape_is_measured_again_with_one_warning(tmp_path, monkeypatch, capsys, edit):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    good = json.loads(first.cache_file.read_text())
+    first.cache_file.write_text(json.dumps(edit(good)))
+    capsys.readouterr()
+    again = _drafter(target).attach(target).tuning
+    assert not again.from_cache
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "tuning cache" in line]
+    assert len(warnings) == 1 and str(first.cache_file) in warnings[0]
+    assert _cache_valid(json.loads(again.cache_file.read_text()), good)  # measured again and rewritten
+
+
+def _cache_valid(data: dict, good: dict) -> bool:
+    return set(data) == set(good) and set(data["target_layout"]) == set(good["target_layout"]) and (
+        data["block_choice"]["block_size"] in map(int, good["block_choice"]["tau"])
+    )
+
+
+def test_the_cache_write_is_exclusive_and_leaves_nothing_behind_when_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    key = first.cache_file.stem
+    first.cache_file.unlink()
+    # The old temporary name, planted as a symlink by another user: the write must not follow it.
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / f"{key}.{os.getpid()}.tmp").symlink_to(victim)
+    again = _drafter(target).attach(target).tuning
+    assert victim.read_text() == "keep" and json.loads(again.cache_file.read_text())["version"] == 1
+    # A refused write (the final name is a directory) warns, keeps no cache file and leaves no temporary file.
+    again.cache_file.unlink()
+    again.cache_file.mkdir()
+    before = set(tmp_path.iterdir())
+    refused = _drafter(target).attach(target).tuning
+    assert refused.cache_file is None and set(tmp_path.iterdir()) == before
+
+
 def test_refresh_measures_again_and_overwrites(tmp_path, monkeypatch):
     monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
     target = make_target("llama")
