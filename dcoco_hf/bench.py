@@ -40,6 +40,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from .assets import chat_input_ids
 from .block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
 from .device import device_sync
+from .hf_compat import cache_kwargs, require_assisted_static_cache
 from .logs import log
 from .modeling_dcoco import DCOCODrafter
 from .stats import DCOCOStats
@@ -240,7 +241,9 @@ class MethodRunner:
         elif method != "vanilla":
             raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
         if settings.static_cache:
-            kwargs["cache"] = self._static_cache(prompt_len + max_new_tokens)
+            if method != "vanilla":
+                require_assisted_static_cache(f"bench --cache static with method {method!r}")
+            kwargs.update(cache_kwargs(self._static_cache(prompt_len + max_new_tokens)))
         return kwargs
 
     def _static_cache(self, length: int) -> StaticCache:

@@ -71,6 +71,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
 from .context_cache import DraftContextCache
+from .hf_compat import cache_kwargs, output_cache
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ def speculative_generate(
         )
     sequences, stats = _speculative_loop(
         target, drafter, input_ids, kwargs.get("attention_mask"), logits_processor, stopping_criteria,
-        generation_config, correct, selection, kwargs.get("cache"),
+        generation_config, correct, selection, output_cache(kwargs),
     )
     drafter._last_engine = _BatchedRun(stats, sequences)  # read by drafter.generation_stats()
     if generation_config.return_dict_in_generate:
@@ -384,7 +385,7 @@ class _TargetMasks:
                               device=mask.device)
         built = {
             window: create_causal_mask(
-                config=self.config, inputs_embeds=queries, attention_mask=mask, cache=cache,
+                config=self.config, inputs_embeds=queries, attention_mask=mask, **cache_kwargs(cache),
                 and_mask_function=None if window is None else _window_function(positions, window),
                 allow_is_causal_skip=False,  # a None mask would let the model build its column-counted one
             )
@@ -430,7 +431,8 @@ def _target_forward(target, tap, ids, mask, positions, cache, stats, row_ids: li
     tap.drain()
     seconds = tap.seconds
     logits = target(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep
+        input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True,
+        logits_to_keep=keep,
     ).logits
     forwards = tap.drain()
     if not forwards:

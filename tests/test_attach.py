@@ -19,6 +19,7 @@ from conftest import make_target
 
 from dcoco_hf import DCOCODrafter, FewRowsLinear
 from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
+from dcoco_hf.hf_compat import cache_kwargs, output_cache
 
 TESTS = Path(__file__).resolve().parent
 BLOCK_TAU = {"2": 1.4, "3": 1.7, "4": 1.9}
@@ -42,7 +43,7 @@ def _one_token_step(target, ids):
     """Logits of a prefill, then of one plain 1-token decoding step on its cache (what plain generate() runs)."""
     with torch.no_grad():
         out = target(input_ids=ids[:, :-1], use_cache=True)
-        step = target(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+        step = target(input_ids=ids[:, -1:], **cache_kwargs(output_cache(out)), use_cache=True)
     return step.logits
 
 
