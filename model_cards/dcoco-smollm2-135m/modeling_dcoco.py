@@ -40,11 +40,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import cached_file
 
-from .candidate_generator import DCOCOCandidateGenerator, assisted_stopping_criteria
+from .candidate_generator import DCOCOCandidateGenerator, assisted_loop_scores, assisted_stopping_criteria
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
+from .hf_compat import cache_argument, cache_kwargs, output_cache
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
 from .logs import log, logger
 from .precision import precision_notes
@@ -438,6 +439,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head, and `context_states`
             [B, N, H], the fused context rows.
         """
+        cache = cache_argument(cache, kwargs)
         context = self.fuse_target_states(context_hidden_states)
         hidden = noise_embeds.to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
@@ -787,13 +789,15 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "`target.generate(**inputs, assistant_model=drafter)` (after `drafter.attach(target)`), or "
                 "`dcoco_hf.speculative_generate(target, drafter, ...)` for batches."
             )
-        handle = kwargs.get("cache")
+        handle = output_cache(kwargs)
         if not isinstance(handle, _EngineHandle):
             handle = self._start_call(generation_config)
         max_new_tokens = kwargs.get("max_new_tokens") or self.config.block_size - 1
-        candidate_ids, candidate_logits = handle.engine.get_candidates(input_ids, max_new_tokens=max_new_tokens)
+        candidate_ids, candidate_logits = handle.engine.get_candidates(
+            input_ids, max_new_tokens=max_new_tokens, scores=assisted_loop_scores()
+        )
         return GenerateDecoderOnlyOutput(
-            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), cache=handle
+            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), **cache_kwargs(handle)
         )
 
     def _start_call(self, generation_config: GenerationConfig) -> "_EngineHandle":

@@ -33,6 +33,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .context_cache import DraftContextCache
 from .device import device_sync
+from .hf_compat import cache_kwargs
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
@@ -134,7 +135,7 @@ def time_cycles(
     positions = torch.arange(context_length + new_rows + max(block_sizes), device=device)[None]
 
     target_cache = DynamicCache(config=target.config)
-    target(input_ids=ids[:, :context_length], cache=target_cache, use_cache=True, logits_to_keep=1)
+    target(input_ids=ids[:, :context_length], **cache_kwargs(target_cache), use_cache=True, logits_to_keep=1)
     draft_cache = DraftContextCache()
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows
         block = positions[:, context_length : context_length + min(block_sizes)]
@@ -144,7 +145,8 @@ def time_cycles(
     def cycle(block_size: int) -> float:
         sync()
         start = time.perf_counter()
-        target(input_ids=ids[:, context_length : context_length + block_size], cache=target_cache, use_cache=True)
+        target(input_ids=ids[:, context_length : context_length + block_size], **cache_kwargs(target_cache),
+               use_cache=True)
         with block_size_for_call(drafter, block_size):
             cycle_positions = positions[:, context_length : context_length + new_rows + block_size]
             drafter.propose(
