@@ -205,6 +205,7 @@ def _speculative_loop(
     target, drafter, input_ids, attention_mask, logits_processor, stopping_criteria, config, correct, selection, cache
 ) -> tuple[torch.LongTensor, list[DCOCOStats]]:
     _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
+    _check_left_padded(attention_mask)
     tap = drafter.tap
     with drafter.one_call():  # refuses a second thread's call while this one runs
         tap.listen(timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
@@ -583,5 +584,18 @@ def _check_supported(target, drafter, logits_processor, stopping_criteria, confi
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculative_generate starts from an empty cache; do not pass a filled `cache`.")
     _layer_windows(target.config.get_text_config(decoder=True))  # raises for layers the loop cannot mask
+
+
+def _check_left_padded(attention_mask: torch.Tensor | None) -> None:
+    """The loop appends every row's new tokens after its last column: padding anywhere but on the left would end up
+    inside the sequence, where plain generate() has it too but attends past it differently (a different result)."""
+    if attention_mask is None:
+        return
+    if bool((attention_mask.long().diff(dim=1) < 0).any()):
+        rows = (attention_mask.long().diff(dim=1) < 0).any(1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"speculative_generate needs left-padded prompts, but rows {rows[:8]} of attention_mask have padding after "
+            "a real token (right padding?). Pad on the left: tokenizer.padding_side = 'left' before tokenizing."
+        )
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]
