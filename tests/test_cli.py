@@ -491,3 +491,32 @@ def test_speedup_is_a_ratio_of_tokens_per_second():
     assert summaries["vanilla"]["speedup"] == pytest.approx(1.0)
     assert summaries["dcoco"]["tokens_per_s"] == pytest.approx(12.5)
     assert summaries["dcoco"]["speedup"] == pytest.approx(1.25)
+
+
+def test_export_refuses_a_non_empty_folder_and_the_source_folder(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    refused = run_cli("export", "--drafter", tiny.root / "drafter", out)
+    assert refused.code == 2 and "is not empty" in refused.err and "--overwrite" in refused.err
+    assert (out / "config.json").read_text() == "{}"
+    assert run_cli("export", "--drafter", tiny.root / "drafter", out, "--overwrite").code == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    source = tiny.root / "drafter"
+    before = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    same = run_cli("export", "--drafter", source, source, "--overwrite")
+    assert same.code == 2 and "the drafter's own folder" in same.err
+    assert {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()} == before
+    (tmp_path / "file").write_text("")
+    as_file = run_cli("export", "--drafter", source, tmp_path / "file")
+    assert as_file.code == 2 and "is a file" in as_file.err and "Traceback" not in as_file.err
+
+
+def test_export_draft_vocab_with_a_target(tiny, tmp_path):
+    drafter = DCOCODrafter.from_pretrained(tiny.root / "drafter").set_draft_vocabulary(list(range(0, VOCAB, 2)))
+    drafter.save_pretrained(tmp_path / "vocab-drafter")
+    result = run_cli("export", "--drafter", tmp_path / "vocab-drafter", "--target", tiny.root / "target",
+                     "--draft-vocab", tmp_path / "out")
+    assert result.code == 0, result.err
+    assert "tuned for" not in result.err  # the export needs the target's lm_head rows, not a tuning
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_vocab_size"] == VOCAB // 2
