@@ -331,6 +331,14 @@ def rotated(methods: Sequence[str], shift: int) -> list[str]:
     return list(methods[shift:]) + list(methods[:shift])
 
 
+class BenchInterrupted(Exception):
+    """Ctrl-C during `run_bench`: `records` holds the prompts that had finished (every method run on each)."""
+
+    def __init__(self, records: list[RunRecord], total_prompts: int) -> None:
+        super().__init__(f"interrupted after {len(records)} record(s)")
+        self.records, self.total_prompts = records, total_prompts
+
+
 def run_bench(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -340,7 +348,8 @@ def run_bench(
     settings: BenchSettings,
     progress: bool = True,
 ) -> list[RunRecord]:
-    """Run every method on every prompt, interleaved, and return one record per (prompt, method)."""
+    """Run every method on every prompt, interleaved, and return one record per (prompt, method). Ctrl-C raises
+    `BenchInterrupted` with the records of the prompts that had finished."""
     if not prompts:
         raise ValueError("no prompts to benchmark")
     encoded = [encode_prompt(tokenizer, item.text).to(target.device) for item in prompts]
@@ -353,7 +362,10 @@ def run_bench(
                 runner.run(method, item.suite, item.index, encoded[round_index % len(prompts)])
         records: list[RunRecord] = []
         for position, (item, input_ids) in enumerate(zip(prompts, encoded)):
-            row = [runner.run(method, item.suite, item.index, input_ids) for method in rotated(methods, position)]
+            try:
+                row = [runner.run(method, item.suite, item.index, input_ids) for method in rotated(methods, position)]
+            except KeyboardInterrupt:  # a half-run prompt is dropped: every method must have run on each prompt
+                raise BenchInterrupted(records, len(prompts)) from None
             _compare_with_vanilla(row, settings.greedy)
             records += sorted(row, key=lambda record: methods.index(record.method))
             if progress:
@@ -526,6 +538,7 @@ def format_report(report: dict[str, Any]) -> str:
 __all__ = [
     "DRAFTER_METHODS",
     "METHODS",
+    "BenchInterrupted",
     "BenchSettings",
     "ForwardTrace",
     "MethodRunner",

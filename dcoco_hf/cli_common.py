@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -128,8 +129,8 @@ def parse_suites(text: str) -> list[str]:
 def check_arguments(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 2:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens to draft")
-    if args.temperature < 0:
-        raise CLIError(f"--temperature {args.temperature} is negative; use 0 for greedy or a positive value")
+    if not 0 <= args.temperature < math.inf:  # nan fails every comparison, so it is refused here too
+        raise CLIError(f"--temperature {args.temperature}: use 0 for greedy or a finite positive value")
     if args.warmup < 0:
         raise CLIError(f"--warmup {args.warmup} is negative")
     if args.threads is not None and args.threads < 1:

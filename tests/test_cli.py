@@ -520,3 +520,27 @@ def test_export_draft_vocab_with_a_target(tiny, tmp_path):
     assert result.code == 0, result.err
     assert "tuned for" not in result.err  # the export needs the target's lm_head rows, not a tuning
     assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_vocab_size"] == VOCAB // 2
+
+
+def test_a_nan_temperature_is_refused_in_one_line(tiny):
+    result = run_cli("generate", *tiny.model_args, "w1 w2", "--temperature", "nan")
+    assert result.code == 2 and "--temperature nan" in result.err and "Traceback" not in result.err
+
+
+def test_ctrl_c_during_bench_reports_the_finished_prompts(tiny, monkeypatch):
+    run, calls = MethodRunner.run, []
+
+    def interrupted_on_the_second_prompt(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # warmup 0, two methods per prompt: the second prompt's second run is interrupted
+            raise KeyboardInterrupt
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(MethodRunner, "run", interrupted_on_the_second_prompt)
+    json_path = tiny.root / "interrupted.json"
+    result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--methods", "vanilla,dcoco",
+                     "--max-new-tokens", 6, "--warmup", 0, "--json", json_path)
+    assert result.code == 130 and "Traceback" not in result.err and "1 of 3 prompt(s)" in result.err
+    report = json.loads(json_path.read_text())
+    assert report["config"]["interrupted_after_prompts"] == 1 and len(report["runs"]) == 2
+    assert "dcoco" in result.out
