@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import threading
 import time
 import weakref
@@ -891,6 +892,18 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "DFlash/DCOCO drafter. Re-download or re-save the folder (model.safetensors must hold fc, hidden_norm, "
                 "layers.* and norm)."
             )
+        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _FOREIGN_KEY.match(k))
+        overridden = sorted(set(kwargs) & set(vars(model.config)))
+        if unexpected and overridden:  # the caller's config keywords turned those parts off: dropped on purpose
+            logger.warning(f"config keywords {overridden} leave {len(unexpected)} saved weight(s) unused, e.g. "
+                           f"{unexpected[:4]}")
+        elif unexpected:  # weights the config has no place for: a config.json that does not describe them
+            raise ValueError(
+                f"The checkpoint holds {len(unexpected)} weight(s) this config has no place for, e.g. {unexpected[:4]}: "
+                "config.json does not describe these weights (e.g. corrector_type differs from the corrector saved, "
+                "or num_hidden_layers is smaller than the layers saved). Fix config.json to match the weights, or "
+                "load the folder the checkpoint was saved with."
+            )
         mismatched = info.get("mismatched_keys") or []
         if mismatched:
             raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
@@ -940,6 +953,10 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             raise ValueError(f"format={format!r} is unknown: use 'dcoco' (ours, the default) or 'lilicorr' (public).")
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+
+# Tensors a DFlash folder may carry for other engines that this drafter reads elsewhere or not at all: the draft
+# vocabulary's lm_head rows and its maps (EAGLE-3 style, `dcoco_hf.export`), the target's embedding.
+_FOREIGN_KEY = re.compile(r"^(model\.)?(d2t|t2d|lm_head\.weight|embed_tokens\.weight)$")
 
 _CLAIM_LOCK = threading.Lock()
 
