@@ -171,13 +171,13 @@ def test_tap_reads_the_quantized_models_hidden_states(quantized):
     _, target, drafter = quantized
     ids = _prompt(5, 9)
     tap = drafter.tap
-    tap.listen(owner="test")
+    tap.listen()
     try:
         with torch.no_grad():  # as in generate(): bitsandbytes picks its kernels by grad mode
             target(ids)
         (recorded,) = tap.drain()
     finally:
-        tap.stop("test")
+        tap.stop()
     with torch.no_grad():
         hidden = target(ids, output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
