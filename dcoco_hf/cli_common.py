@@ -365,8 +365,10 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str,
     log(f"loading drafter {spec}")
     try:
         drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn, **config)
-    except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
+    except OSError as err:  # not found, unreadable
         raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
+    except ValueError as err:  # a checkpoint whose files are wrong: a config field, missing or unexpected weights
+        raise CLIError(f"could not load the drafter {spec!r}: {_first_line(err)}") from None
     except RuntimeError as err:
         if "mismatched_sizes" not in str(err):  # transformers' refusal of weights shaped unlike the config
             raise
@@ -374,7 +376,6 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str,
             f"could not load the drafter {spec}: its config.json does not match the weights saved with it (shapes "
             "differ; transformers logs which). Restore the config.json saved with these weights, or re-save the "
             "drafter with save_pretrained()",
-            exit_code=1,
         ) from None
     return drafter.to(device).eval()
 

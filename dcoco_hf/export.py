@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from .block_choice import check_block_size
-from .cli_common import CLIError, default_drafter_path, load_target
+from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
 from .configuration_dcoco import DECODING_FIELDS
 from .modeling_dcoco import DCOCODrafter, check_compatible
 
@@ -234,10 +234,7 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
 
 def cmd_export(args: argparse.Namespace) -> int:
     source = args.drafter or str(default_drafter_path())
-    try:
-        drafter = DCOCODrafter.from_pretrained(source)
-    except (OSError, ValueError) as error:  # not found / not a complete drafter checkpoint
-        raise CLIError(f"could not load the drafter {source!r}: {error}", exit_code=1) from None
+    drafter = load_drafter(source, torch.device("cpu"), None, "sdpa")  # None: the dtype the checkpoint was saved in
     try:
         check_export_folder(Path(args.out), source, args.overwrite)  # before loading a target for nothing
         target = None  # held here: the drafter keeps only a weak reference to its target
