@@ -303,7 +303,7 @@ def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | Non
     """The stopping criteria of the `generate()` call now asking this drafter for candidates, or None.
 
     transformers hands candidate generators neither the criteria nor the tokenizer that `stop_strings` need; they
-    are a local of `_assisted_decoding` (transformers 5.24), a few frames up the stack from the drafter's
+    are a local of `_assisted_decoding` (transformers 5.17-5.25), a few frames up the stack from the drafter's
     `generate()`. Reading them there is the only way to honour custom criteria and stop strings exactly
     (`tokens_before_stop`); when transformers changes that layout, `DCOCODrafter.generate` refuses stop strings
     instead of silently running past them.

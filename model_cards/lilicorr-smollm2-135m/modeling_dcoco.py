@@ -811,8 +811,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         criteria = assisted_stopping_criteria()
         if criteria is None and getattr(generation_config, "stop_strings", None):
             raise ValueError(
-                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.24 (its stopping criteria "
-                "could not be found); drop stop_strings or cut the text after generate()."
+                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
+                "criteria could not be found); drop stop_strings or cut the text after generate()."
             )
         handle = _EngineHandle()
         self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
