@@ -591,11 +591,12 @@ def _check_left_padded(attention_mask: torch.Tensor | None) -> None:
     inside the sequence, where plain generate() has it too but attends past it differently (a different result)."""
     if attention_mask is None:
         return
-    if bool((attention_mask.long().diff(dim=1) < 0).any()):
-        rows = (attention_mask.long().diff(dim=1) < 0).any(1).nonzero().flatten().tolist()
+    rows = (attention_mask.long().diff(dim=1) < 0).any(1).nonzero().flatten().tolist()  # a 1 followed by a 0
+    if rows:
         raise ValueError(
             f"speculative_generate needs left-padded prompts, but rows {rows[:8]} of attention_mask have padding after "
             "a real token (right padding?). Pad on the left: tokenizer.padding_side = 'left' before tokenizing."
         )
+
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]

@@ -23,8 +23,8 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import platform
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
