@@ -52,7 +52,7 @@ def _plain_generate(target, ids):
                            output_scores=True, return_dict_in_generate=True)
 
 
-def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, caplog):
+def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
     target = make_target("llama")
     drafter = _drafter(target).attach(target)
@@ -64,7 +64,8 @@ def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, caplog):
     assert set(tuning.block_choice.tau) == {2, 3, 4}
     assert tuning.cache_file is not None and tuning.cache_file.parent == tmp_path
     assert tuning.cache_file.is_file() and not tuning.from_cache
-    lines = [record.getMessage() for record in caplog.records if record.name == "dcoco_hf"]
+    # The package logger does not propagate to the root logger (caplog's): read its stderr lines.
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[dcoco-hf] ")]
     assert len(lines) == 1, lines
     assert "block size" in lines[0] and "few-rows" in lines[0] and str(tuning.cache_file) in lines[0]
 
