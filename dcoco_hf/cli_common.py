@@ -130,7 +130,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 2:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens to draft")
     if not 0 <= args.temperature < math.inf:  # nan fails every comparison, so it is refused here too
-        raise CLIError(f"--temperature {args.temperature} is negative or not finite; use 0 for greedy or a positive value")
+        raise CLIError(
+            f"--temperature {args.temperature} is negative or not finite; use 0 for greedy or a positive value"
+        )
     if args.warmup < 0:
         raise CLIError(f"--warmup {args.warmup} is negative")
     if args.threads is not None and args.threads < 1:

@@ -899,10 +899,10 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                            f"{unexpected[:4]}")
         elif unexpected:  # weights the config has no place for: a config.json that does not describe them
             raise ValueError(
-                f"The checkpoint holds {len(unexpected)} weight(s) this config has no place for, e.g. {unexpected[:4]}: "
-                "config.json does not describe these weights (e.g. corrector_type differs from the corrector saved, "
-                "or num_hidden_layers is smaller than the layers saved). Fix config.json to match the weights, or "
-                "load the folder the checkpoint was saved with."
+                f"The checkpoint holds {len(unexpected)} weight(s) this config has no place for, e.g. "
+                f"{unexpected[:4]}: config.json does not describe these weights (e.g. corrector_type differs from the "
+                "corrector saved, or num_hidden_layers is smaller than the layers saved). Fix config.json to match the "
+                "weights, or load the folder the checkpoint was saved with."
             )
         mismatched = info.get("mismatched_keys") or []
         if mismatched:

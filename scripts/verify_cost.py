@@ -61,7 +61,8 @@ def verify_rounding(target, context: torch.LongTensor, new_tokens: int) -> float
         cache = cache_before(target, context, new_tokens)
         start = context.shape[1] - new_tokens
         for size in chunks:
-            logits.append(target(context[:, start : start + size], **cache_kwargs(cache), use_cache=True).logits[0].float())
+            step = target(context[:, start : start + size], **cache_kwargs(cache), use_cache=True)
+            logits.append(step.logits[0].float())
             start += size
     block, steps = logits[0], torch.cat(logits[1:])  # [n, V] each
     return (block - steps).abs().max().item()

@@ -218,7 +218,9 @@ def test_dcoco_paper_method_keeps_slot_1_at_the_drafter_argmax(tiny, monkeypatch
     assert any(picks["dcoco"]), picks
 
 
-@pytest.mark.skipif(not assisted_static_cache(), reason="transformers < 5.24 refuses a static cache in assisted generation")
+@pytest.mark.skipif(
+    not assisted_static_cache(), reason="transformers < 5.24 refuses a static cache in assisted generation"
+)
 def test_bench_block_size_and_static_cache(tiny):
     result = run_cli(
         "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 2, "--max-new-tokens", 12, "--warmup", 1,

@@ -135,7 +135,9 @@ def test_transformers_dflash_path_same_weights(fitted):
         assert got.tolist() == expected.tolist()
 
 
-@pytest.mark.skipif(not assisted_static_cache(), reason="transformers < 5.24 refuses a static cache in assisted generation")
+@pytest.mark.skipif(
+    not assisted_static_cache(), reason="transformers < 5.24 refuses a static cache in assisted generation"
+)
 def test_static_cache_same_output_and_same_drafts(fitted):
     """With transformers' static cache (the GPU path) output stays exact and the drafter sees the same context."""
     target, drafter = fitted
