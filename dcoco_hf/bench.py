@@ -40,6 +40,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from .assets import chat_input_ids
 from .block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
 from .device import device_sync
+from .hf_compat import cache_kwargs, require_assisted_static_cache
 from .logs import log
 from .modeling_dcoco import DCOCODrafter
 from .stats import DCOCOStats
@@ -240,7 +241,9 @@ class MethodRunner:
         elif method != "vanilla":
             raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
         if settings.static_cache:
-            kwargs["cache"] = self._static_cache(prompt_len + max_new_tokens)
+            if method != "vanilla":
+                require_assisted_static_cache(f"bench --cache static with method {method!r}")
+            kwargs.update(cache_kwargs(self._static_cache(prompt_len + max_new_tokens)))
         return kwargs
 
     def _static_cache(self, length: int) -> StaticCache:
@@ -331,6 +334,14 @@ def rotated(methods: Sequence[str], shift: int) -> list[str]:
     return list(methods[shift:]) + list(methods[:shift])
 
 
+class BenchInterrupted(Exception):
+    """Ctrl-C during `run_bench`: `records` holds the prompts that had finished (every method run on each)."""
+
+    def __init__(self, records: list[RunRecord], total_prompts: int) -> None:
+        super().__init__(f"interrupted after {len(records)} record(s)")
+        self.records, self.total_prompts = records, total_prompts
+
+
 def run_bench(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -340,7 +351,8 @@ def run_bench(
     settings: BenchSettings,
     progress: bool = True,
 ) -> list[RunRecord]:
-    """Run every method on every prompt, interleaved, and return one record per (prompt, method)."""
+    """Run every method on every prompt, interleaved, and return one record per (prompt, method). Ctrl-C raises
+    `BenchInterrupted` with the records of the prompts that had finished."""
     if not prompts:
         raise ValueError("no prompts to benchmark")
     encoded = [encode_prompt(tokenizer, item.text).to(target.device) for item in prompts]
@@ -353,7 +365,10 @@ def run_bench(
                 runner.run(method, item.suite, item.index, encoded[round_index % len(prompts)])
         records: list[RunRecord] = []
         for position, (item, input_ids) in enumerate(zip(prompts, encoded)):
-            row = [runner.run(method, item.suite, item.index, input_ids) for method in rotated(methods, position)]
+            try:
+                row = [runner.run(method, item.suite, item.index, input_ids) for method in rotated(methods, position)]
+            except KeyboardInterrupt:  # a half-run prompt is dropped: every method must have run on each prompt
+                raise BenchInterrupted(records, len(prompts)) from None
             _compare_with_vanilla(row, settings.greedy)
             records += sorted(row, key=lambda record: methods.index(record.method))
             if progress:
@@ -548,6 +563,7 @@ def format_report(report: dict[str, Any]) -> str:
 __all__ = [
     "DRAFTER_METHODS",
     "METHODS",
+    "BenchInterrupted",
     "BenchSettings",
     "ForwardTrace",
     "MethodRunner",

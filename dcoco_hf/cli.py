@@ -28,6 +28,7 @@ from .batch_bench import add_bench_batch_parser
 from .bench import (
     DRAFTER_METHODS,
     METHODS,
+    BenchInterrupted,
     BenchSettings,
     MethodRunner,
     PromptItem,
@@ -228,12 +229,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         static_cache=args.cache == "static",
     )
     log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
-    records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
+    try:
+        records = run_bench(loaded.target, loaded.tokenizer, loaded.drafter, prompts, methods, settings)
+        interrupted = None
+    except BenchInterrupted as error:  # Ctrl-C: report the prompts that finished, exit as an interrupted program does
+        records, interrupted = error.records, error
+        log(f"interrupted: reporting the {len(records) // len(methods)} of {len(prompts)} prompt(s) that finished")
     config = run_config(args, loaded, methods, prompts, block_size, config_block, choice)
-    report = build_report(records, methods, config)
-    print(format_report(report))
-    write_results(report, args.json, args.plots)
-    return 0
+    if interrupted is not None:
+        config["interrupted_after_prompts"] = len(records) // len(methods)
+    if records:
+        report = build_report(records, methods, config)
+        print(format_report(report))
+        write_results(report, args.json, args.plots)
+    return 0 if interrupted is None else 130
 
 
 def run_config(

@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -128,8 +129,10 @@ def parse_suites(text: str) -> list[str]:
 def check_arguments(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 2:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: speculation needs at least 2 new tokens to draft")
-    if args.temperature < 0:
-        raise CLIError(f"--temperature {args.temperature} is negative; use 0 for greedy or a positive value")
+    if not 0 <= args.temperature < math.inf:  # nan fails every comparison, so it is refused here too
+        raise CLIError(
+            f"--temperature {args.temperature} is negative or not finite; use 0 for greedy or a positive value"
+        )
     if args.warmup < 0:
         raise CLIError(f"--warmup {args.warmup} is negative")
     if args.threads is not None and args.threads < 1:
@@ -364,8 +367,10 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str,
     log(f"loading drafter {spec}")
     try:
         drafter = DCOCODrafter.from_pretrained(spec, dtype=dtype, attn_implementation=attn, **config)
-    except (OSError, ValueError) as err:  # not found / not a complete drafter checkpoint
+    except OSError as err:  # not found, unreadable
         raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
+    except ValueError as err:  # a checkpoint whose files are wrong: a config field, missing or unexpected weights
+        raise CLIError(f"could not load the drafter {spec!r}: {_first_line(err)}") from None
     except RuntimeError as err:
         if "mismatched_sizes" not in str(err):  # transformers' refusal of weights shaped unlike the config
             raise
@@ -373,7 +378,6 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str,
             f"could not load the drafter {spec}: its config.json does not match the weights saved with it (shapes "
             "differ; transformers logs which). Restore the config.json saved with these weights, or re-save the "
             "drafter with save_pretrained()",
-            exit_code=1,
         ) from None
     return drafter.to(device).eval()
 

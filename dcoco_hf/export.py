@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from .block_choice import check_block_size
-from .cli_common import CLIError, default_drafter_path, load_target
+from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
 from .configuration_dcoco import DECODING_FIELDS
 from .modeling_dcoco import DCOCODrafter, check_compatible
 
@@ -49,6 +49,7 @@ def export_dflash(
     draft_vocab: bool = False,
     dtype: torch.dtype | None = None,
     source: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write `drafter`'s backbone to `out_dir` in the public DFlash format; returns the folder.
 
@@ -61,7 +62,11 @@ def export_dflash(
             False writes the full vocabulary: engines then propose from every token.
         dtype: weight dtype of the export (default: the drafter's).
         source: where the drafter came from, named in the card.
+        overwrite: write into a folder that already holds files (config.json, model.safetensors and README.md are
+            replaced). Never into the `source` folder itself.
     """
+    out = Path(out_dir)
+    check_export_folder(out, source, overwrite)
     tensors = backbone_tensors(drafter, dtype)
     config = dflash_config(drafter, block_size, dtype)
     if draft_vocab:
@@ -69,12 +74,24 @@ def export_dflash(
         config["draft_vocab_size"] = int(drafter.draft_token_ids.numel())
     elif drafter._target_ref is not None and drafter._target_ref() is not None:
         check_compatible(drafter.config, drafter.target)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "README.md").write_text(dflash_card(drafter, config, sorted(tensors), source))
     return out
+
+
+def check_export_folder(out: Path, source: str | None, overwrite: bool) -> None:
+    """Refuse to write over the source drafter (always) or into a folder holding files (unless `overwrite`)."""
+    if source is not None and Path(source).exists() and out.exists() and out.resolve() == Path(source).resolve():
+        raise ValueError(f"The output folder {out} is the drafter's own folder: the export would replace its weights. "
+                         "Choose another output folder.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"The output folder {out} is not empty: the export would replace its config.json, "
+                         "model.safetensors and README.md. Choose an empty or new folder, or pass --overwrite "
+                         "(overwrite=True).")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"The output path {out} is a file, not a folder. Choose a folder path.")
 
 
 def backbone_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -208,6 +225,8 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
     export.add_argument("--draft-vocab", action="store_true",
                         help="write the drafter's draft vocabulary (d2t + its lm_head rows; loads the target) "
                         "instead of the full vocabulary")
+    export.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty output folder (never into the drafter's own folder)")
     export.add_argument("--export-dtype", choices=sorted(DTYPES), default=None,
                         help="weight dtype of the export (default: the drafter's)")
     export.set_defaults(handler=cmd_export)
@@ -215,17 +234,19 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
 
 def cmd_export(args: argparse.Namespace) -> int:
     source = args.drafter or str(default_drafter_path())
+    drafter = load_drafter(source, torch.device("cpu"), None, "sdpa")  # None: the dtype the checkpoint was saved in
     try:
-        drafter = DCOCODrafter.from_pretrained(source)
-    except (OSError, ValueError) as error:  # not found / not a complete drafter checkpoint
-        raise CLIError(f"could not load the drafter {source!r}: {error}", exit_code=1) from None
-    try:
-        if args.draft_vocab:  # the export carries the target lm_head's draft rows
-            drafter.attach(load_target(args.target, torch.device("cpu"), torch.float32, "sdpa")[0])
+        check_export_folder(Path(args.out), source, args.overwrite)  # before loading a target for nothing
+        target = None  # held here: the drafter keeps only a weak reference to its target
+        if args.draft_vocab:  # the export carries the target lm_head's draft rows; no tuning needed for that
+            target = load_target(args.target, torch.device("cpu"), torch.float32, "sdpa")[0]
+            drafter.attach(target, tune=False)
         out = export_dflash(drafter, args.out, block_size=args.block_size, draft_vocab=args.draft_vocab,
-                            dtype=DTYPES.get(args.export_dtype), source=source)
+                            dtype=DTYPES.get(args.export_dtype), source=source, overwrite=args.overwrite)
     except ValueError as error:
         raise CLIError(str(error)) from None
+    except OSError as error:  # e.g. a read-only output folder
+        raise CLIError(f"could not write the export to {args.out}: {error}") from None
     print(f"wrote the DFlash backbone of {source} to {out} (corrector dropped; see {out / 'README.md'})")
     return 0
 

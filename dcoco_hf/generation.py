@@ -72,6 +72,7 @@ from transformers.utils import ModelOutput
 
 from .context_cache import DraftContextCache
 from .proposal import COST_SCHEDULE, next_plain_run, slot_confidence, update_recent
+from .hf_compat import cache_kwargs, output_cache
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ def speculative_generate(
         )
     sequences, stats = _speculative_loop(
         target, drafter, input_ids, kwargs.get("attention_mask"), logits_processor, stopping_criteria,
-        generation_config, correct, selection, kwargs.get("cache"),
+        generation_config, correct, selection, output_cache(kwargs),
     )
     drafter._last_engine = _BatchedRun(stats, sequences)  # read by drafter.generation_stats()
     if generation_config.return_dict_in_generate:
@@ -205,6 +206,7 @@ def _speculative_loop(
     target, drafter, input_ids, attention_mask, logits_processor, stopping_criteria, config, correct, selection, cache
 ) -> tuple[torch.LongTensor, list[DCOCOStats]]:
     _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
+    _check_left_padded(attention_mask)
     tap = drafter.tap
     with drafter.one_call():  # refuses a second thread's call while this one runs
         tap.listen(timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
@@ -396,7 +398,7 @@ class _TargetMasks:
                               device=mask.device)
         built = {
             window: create_causal_mask(
-                config=self.config, inputs_embeds=queries, attention_mask=mask, cache=cache,
+                config=self.config, inputs_embeds=queries, attention_mask=mask, **cache_kwargs(cache),
                 and_mask_function=None if window is None else _window_function(positions, window),
                 allow_is_causal_skip=False,  # a None mask would let the model build its column-counted one
             )
@@ -442,7 +444,8 @@ def _target_forward(target, tap, ids, mask, positions, cache, stats, row_ids: li
     tap.drain()
     seconds = tap.seconds
     logits = target(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep
+        input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True,
+        logits_to_keep=keep,
     ).logits
     forwards = tap.drain()
     if not forwards:
@@ -643,5 +646,19 @@ def _check_supported(target, drafter, logits_processor, stopping_criteria, confi
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculative_generate starts from an empty cache; do not pass a filled `cache`.")
     _layer_windows(target.config.get_text_config(decoder=True))  # raises for layers the loop cannot mask
+
+
+def _check_left_padded(attention_mask: torch.Tensor | None) -> None:
+    """The loop appends every row's new tokens after its last column: padding anywhere but on the left would end up
+    inside the sequence, where plain generate() has it too but attends past it differently (a different result)."""
+    if attention_mask is None:
+        return
+    rows = (attention_mask.long().diff(dim=1) < 0).any(1).nonzero().flatten().tolist()  # a 1 followed by a 0
+    if rows:
+        raise ValueError(
+            f"speculative_generate needs left-padded prompts, but rows {rows[:8]} of attention_mask have padding after "
+            "a real token (right padding?). Pad on the left: tokenizer.padding_side = 'left' before tokenizing."
+        )
+
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]

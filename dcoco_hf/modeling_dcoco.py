@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -41,11 +42,17 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import cached_file
 
-from .candidate_generator import DCOCOCandidateGenerator, assisted_driver, assisted_stopping_criteria
+from .candidate_generator import (
+    DCOCOCandidateGenerator,
+    assisted_driver,
+    assisted_loop_scores,
+    assisted_stopping_criteria,
+)
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache
 from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
 from .device import device_sync
+from .hf_compat import cache_argument, cache_kwargs, output_cache
 from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
 from .logs import log, logger
 from .precision import precision_notes
@@ -471,6 +478,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head, and `context_states`
             [B, N, H], the fused context rows.
         """
+        cache = cache_argument(cache, kwargs)
         context = self.fuse_target_states(context_hidden_states)
         hidden = noise_embeds.to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
@@ -820,13 +828,15 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "`target.generate(**inputs, assistant_model=drafter)` (after `drafter.attach(target)`), or "
                 "`dcoco_hf.speculative_generate(target, drafter, ...)` for batches."
             )
-        handle = kwargs.get("cache")
+        handle = output_cache(kwargs)
         if not isinstance(handle, _EngineHandle):
             handle = self._start_call(generation_config)
         max_new_tokens = kwargs.get("max_new_tokens") or self.config.block_size - 1
-        candidate_ids, candidate_logits = handle.engine.get_candidates(input_ids, max_new_tokens=max_new_tokens)
+        candidate_ids, candidate_logits = handle.engine.get_candidates(
+            input_ids, max_new_tokens=max_new_tokens, scores=assisted_loop_scores()
+        )
         return GenerateDecoderOnlyOutput(
-            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), cache=handle
+            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), **cache_kwargs(handle)
         )
 
     def _start_call(self, generation_config: GenerationConfig) -> "_EngineHandle":
@@ -839,8 +849,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         criteria = assisted_stopping_criteria()
         if criteria is None and getattr(generation_config, "stop_strings", None):
             raise ValueError(
-                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.24 (its stopping criteria "
-                "could not be found); drop stop_strings or cut the text after generate()."
+                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
+                "criteria could not be found); drop stop_strings or cut the text after generate()."
             )
         handle = _EngineHandle()
         self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
@@ -925,6 +935,18 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 f"The checkpoint lacks {len(missing)} drafter weight(s), e.g. {missing[:4]}: it is not a complete "
                 "DFlash/DCOCO drafter. Re-download or re-save the folder (model.safetensors must hold fc, hidden_norm, "
                 "layers.* and norm)."
+            )
+        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _FOREIGN_KEY.match(k))
+        overridden = sorted(set(kwargs) & set(vars(model.config)))
+        if unexpected and overridden:  # the caller's config keywords turned those parts off: dropped on purpose
+            logger.warning(f"config keywords {overridden} leave {len(unexpected)} saved weight(s) unused, e.g. "
+                           f"{unexpected[:4]}")
+        elif unexpected:  # weights the config has no place for: a config.json that does not describe them
+            raise ValueError(
+                f"The checkpoint holds {len(unexpected)} weight(s) this config has no place for, e.g. "
+                f"{unexpected[:4]}: config.json does not describe these weights (e.g. corrector_type differs from the "
+                "corrector saved, or num_hidden_layers is smaller than the layers saved). Fix config.json to match the "
+                "weights, or load the folder the checkpoint was saved with."
             )
         mismatched = info.get("mismatched_keys") or []
         if mismatched:
@@ -1011,6 +1033,10 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         finally:
             self.config.base_drafter = loaded_from
 
+
+# Tensors a DFlash folder may carry for other engines that this drafter reads elsewhere or not at all: the draft
+# vocabulary's lm_head rows and its maps (EAGLE-3 style, `dcoco_hf.export`), the target's embedding.
+_FOREIGN_KEY = re.compile(r"^(model\.)?(d2t|t2d|lm_head\.weight|embed_tokens\.weight)$")
 
 _CLAIM_LOCK = threading.Lock()
 

@@ -32,13 +32,14 @@ from dcoco_hf.cpu_linear import (
     tune_few_rows_layout,
     use_few_rows_linear,
 )
+from dcoco_hf.hf_compat import cache_kwargs
 
 
 def cache_before(target, context: torch.LongTensor, new_tokens: int) -> DynamicCache:
     """A cache holding all of `context` [1, T] but its last `new_tokens` ids."""
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(context[:, :-new_tokens], cache=cache, use_cache=True, logits_to_keep=1)
+        target(context[:, :-new_tokens], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache
 
 
@@ -47,7 +48,7 @@ def forward_seconds(target, context: torch.LongTensor, new_tokens: int) -> float
     cache = cache_before(target, context, new_tokens)
     with torch.no_grad():
         start = time.perf_counter()
-        target(context[:, -new_tokens:], cache=cache, use_cache=True)
+        target(context[:, -new_tokens:], **cache_kwargs(cache), use_cache=True)
         return time.perf_counter() - start
 
 
@@ -60,7 +61,8 @@ def verify_rounding(target, context: torch.LongTensor, new_tokens: int) -> float
         cache = cache_before(target, context, new_tokens)
         start = context.shape[1] - new_tokens
         for size in chunks:
-            logits.append(target(context[:, start : start + size], cache=cache, use_cache=True).logits[0].float())
+            step = target(context[:, start : start + size], **cache_kwargs(cache), use_cache=True)
+            logits.append(step.logits[0].float())
             start += size
     block, steps = logits[0], torch.cat(logits[1:])  # [n, V] each
     return (block - steps).abs().max().item()

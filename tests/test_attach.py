@@ -4,12 +4,14 @@ undoes it exactly; the measurements are cached on disk for the next process (iss
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from conftest import make_target
 
 from dcoco_hf import DCOCODrafter, FewRowsLinear
 from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
+from dcoco_hf.hf_compat import cache_kwargs, output_cache
 
 TESTS = Path(__file__).resolve().parent
 BLOCK_TAU = {"2": 1.4, "3": 1.7, "4": 1.9}
@@ -41,7 +44,7 @@ def _one_token_step(target, ids):
     """Logits of a prefill, then of one plain 1-token decoding step on its cache (what plain generate() runs)."""
     with torch.no_grad():
         out = target(input_ids=ids[:, :-1], use_cache=True)
-        step = target(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+        step = target(input_ids=ids[:, -1:], **cache_kwargs(output_cache(out)), use_cache=True)
     return step.logits
 
 
@@ -50,7 +53,7 @@ def _plain_generate(target, ids):
                            output_scores=True, return_dict_in_generate=True)
 
 
-def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, caplog):
+def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
     monkeypatch.setattr(logging.getLogger("dcoco_hf"), "propagate", True)  # caplog listens at the root
     target = make_target("llama")
@@ -65,7 +68,8 @@ def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, caplog):
     assert drafter.cycle_costs is tuning.costs
     assert tuning.cache_file is not None and tuning.cache_file.parent == tmp_path
     assert tuning.cache_file.is_file() and not tuning.from_cache
-    lines = [record.getMessage() for record in caplog.records if record.name == "dcoco_hf"]
+    # The package logger does not propagate to the root logger (caplog's): read its stderr lines.
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[dcoco-hf] ")]
     assert len(lines) == 1, lines
     assert "block size" in lines[0] and "few-rows" in lines[0] and str(tuning.cache_file) in lines[0]
     assert "plain step" in lines[0] and "spread" in lines[0]
@@ -122,6 +126,26 @@ def test_detach_then_reattach_and_copies():
         drafter.target  # noqa: B018
     drafter.attach(target, tune=False)
     assert drafter.target is target
+
+
+
+def test_a_dropped_drafter_that_served_calls_is_freed_with_its_hooks():
+    # README's per-thread recipe: a copy attached, used, dropped. The tap the target holds through its hooks must not
+    # keep the last engine (and so the drafter) alive, or its hooks and weights pile up on the target.
+    target = make_target("llama")
+    drafter = _drafter(target)
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    hooks = _hooks(target)
+    for _ in range(3):
+        copy_ = copy.deepcopy(drafter).attach(target, tune=False)
+        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=copy_, max_new_tokens=8,
+                        do_sample=False)
+        assert _hooks(target) > hooks
+        alive = weakref.ref(copy_)
+        del copy_
+        gc.collect()
+        assert alive() is None
+        assert _hooks(target) == hooks
 
 
 _SECOND_PROCESS = textwrap.dedent(
@@ -182,6 +206,76 @@ def test_an_unreadable_cache_file_is_measured_again(tmp_path, monkeypatch):
     first.cache_file.write_text("{torn")
     again = _drafter(target).attach(target).tuning
     assert not again.from_cache and json.loads(again.cache_file.read_text())["cycle_costs"] is not None
+
+
+
+def _edited(data: dict, path: str, value) -> dict:
+    """A deep copy of `data` with the entry at the dotted `path` set to `value`."""
+    data = copy.deepcopy(data)
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return data
+
+
+_NO_KEY = object()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: None, lambda d: [], lambda d: 5, lambda d: "text",
+        lambda d: _edited(d, "target_layout", ["gemm"]), lambda d: _edited(d, "target_layout", {"x": "gemm"}),
+        lambda d: _edited(d, "target_layout", {str(r): "gemm" for r in range(2, 3_000_000)}),
+        lambda d: _edited(d, "drafter_layout", {k: "fastest" for k in d["drafter_layout"]}),
+        lambda d: _edited(d, "block_choice", "4"), lambda d: _edited(d, "block_choice.block_size", 99),
+        lambda d: {**d, "block_choice": {k: v for k, v in d["block_choice"].items() if k != "tau"}},
+        lambda d: _edited(d, "block_choice.cycle_seconds", {k: 0 for k in d["block_choice"]["cycle_seconds"]}),
+        lambda d: _edited(d, "block_choice.tau", {k: "fast" for k in d["block_choice"]["tau"]}),
+    ],
+    ids=["null", "list", "number", "string", "layout-list", "layout-key-x", "layout-3M-rows", "layout-unknown",
+         "choice-string", "block-99", "no-tau", "zero-cycle", "tau-string"],
+)
+def test_a_cache_file_of_the_wrong_shape_is_measured_again_with_one_warning(tmp_path, monkeypatch, capsys, edit):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    good = json.loads(first.cache_file.read_text())
+    first.cache_file.write_text(json.dumps(edit(good)))
+    capsys.readouterr()
+    again = _drafter(target).attach(target).tuning
+    assert not again.from_cache
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "tuning cache" in line]
+    assert len(warnings) == 1 and str(first.cache_file) in warnings[0]
+    assert _cache_valid(json.loads(again.cache_file.read_text()), good)  # measured again and rewritten
+
+
+def _cache_valid(data: dict, good: dict) -> bool:
+    return set(data) == set(good) and set(data["target_layout"]) == set(good["target_layout"]) and (
+        data["block_choice"]["block_size"] in map(int, good["block_choice"]["tau"])
+    )
+
+
+def test_the_cache_write_is_exclusive_and_leaves_nothing_behind_when_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    target = make_target("llama")
+    first = _drafter(target).attach(target).tuning
+    key = first.cache_file.stem
+    first.cache_file.unlink()
+    # The old temporary name, planted as a symlink by another user: the write must not follow it.
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / f"{key}.{os.getpid()}.tmp").symlink_to(victim)
+    again = _drafter(target).attach(target).tuning
+    assert victim.read_text() == "keep" and json.loads(again.cache_file.read_text())["version"] == 1
+    # A refused write (the final name is a directory) warns, keeps no cache file and leaves no temporary file.
+    again.cache_file.unlink()
+    again.cache_file.mkdir()
+    before = set(tmp_path.iterdir())
+    refused = _drafter(target).attach(target).tuning
+    assert refused.cache_file is None and set(tmp_path.iterdir()) == before
 
 
 def test_refresh_measures_again_and_overwrites(tmp_path, monkeypatch):

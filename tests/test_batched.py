@@ -273,6 +273,11 @@ def test_unsupported_settings_fail_clearly(fitted):
     with pytest.raises(ValueError, match="num_beams"):
         speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5, num_beams=2,
                              pad_token_id=PAD)
+    # right padding: the same rows flipped, padding after the prompt
+    right_ids, right_mask = ids.flip(1), mask.flip(1)
+    with pytest.raises(ValueError, match=r"left-padded prompts, but rows \[0\]"):
+        speculative_generate(target, right_ids, attention_mask=right_mask, drafter=drafter, max_new_tokens=5,
+                             pad_token_id=PAD)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from conftest import PROMPT_LEN
+from packaging.version import Version
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -17,6 +18,7 @@ from transformers import (
 
 from dcoco_hf import speculative_generate
 from dcoco_hf.candidate_generator import cut_at_stop, tokens_before_stop
+from dcoco_hf.hf_compat import TRANSFORMERS_VERSION
 
 
 class StopAfterToken(StoppingCriteria):
@@ -56,6 +58,38 @@ def test_custom_stopping_criteria_stop_exactly_where_plain_generate_does(fitted)
         stats = drafter.generation_stats(fast)
         cut_inside_a_block += plain.shape[1] < PROMPT_LEN + 40 and stats.cycles > 0
     assert cut_inside_a_block > 0  # the criterion did stop some runs early, with drafting under way
+
+
+
+class StopAfterTokenReadingScores(StopAfterToken):
+    """StopAfterToken that also reads `scores` as plain generate() passes them with output_scores: one [1, V] row per
+    new token."""
+
+    def __init__(self, tokens: set[int], prompt_len: int) -> None:
+        super().__init__(tokens)
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        assert len(scores) == input_ids.shape[1] - self.prompt_len and scores[-1].shape[0] == input_ids.shape[0]
+        return super().__call__(input_ids, scores)
+
+
+@pytest.mark.skipif(
+    TRANSFORMERS_VERSION < Version("5.18"),
+    reason="transformers 5.17's assisted loop itself calls the criteria with scores=None on every candidate block",
+)
+def test_custom_stopping_criteria_that_read_scores_get_them(fitted):
+    target, drafter = fitted
+    stops = _stop_tokens(target, drafter, range(4))
+    for seed in range(4):
+        ids = _prompt(target, seed)
+        criteria = StoppingCriteriaList([StopAfterTokenReadingScores(stops, PROMPT_LEN)])
+        kwargs = dict(max_new_tokens=40, do_sample=False, stopping_criteria=criteria, output_scores=True,
+                      return_dict_in_generate=True)
+        plain = target.generate(ids, **kwargs)
+        fast = target.generate(ids, assistant_model=drafter, **kwargs)
+        assert fast.sequences.tolist() == plain.sequences.tolist()
+        assert len(fast.scores) == len(plain.scores)
 
 
 def test_sampling_never_runs_past_a_stop(fitted):

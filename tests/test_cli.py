@@ -31,6 +31,7 @@ from dcoco_hf.bench import (
     rotated,
 )
 from dcoco_hf.cpu_linear import LAYOUTS
+from dcoco_hf.hf_compat import assisted_static_cache
 from dcoco_hf.plots import PLOT_FILES
 
 SPECULATIVE = [m for m in METHODS if m != "vanilla"]
@@ -217,6 +218,9 @@ def test_dcoco_paper_method_keeps_slot_1_at_the_drafter_argmax(tiny, monkeypatch
     assert any(picks["dcoco"]), picks
 
 
+@pytest.mark.skipif(
+    not assisted_static_cache(), reason="transformers < 5.24 refuses a static cache in assisted generation"
+)
 def test_bench_block_size_and_static_cache(tiny):
     result = run_cli(
         "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 2, "--max-new-tokens", 12, "--warmup", 1,
@@ -489,3 +493,56 @@ def test_speedup_is_a_ratio_of_tokens_per_second():
     assert summaries["vanilla"]["speedup"] == pytest.approx(1.0)
     assert summaries["dcoco"]["tokens_per_s"] == pytest.approx(12.5)
     assert summaries["dcoco"]["speedup"] == pytest.approx(1.25)
+
+
+def test_export_refuses_a_non_empty_folder_and_the_source_folder(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    refused = run_cli("export", "--drafter", tiny.root / "drafter", out)
+    assert refused.code == 2 and "is not empty" in refused.err and "--overwrite" in refused.err
+    assert (out / "config.json").read_text() == "{}"
+    assert run_cli("export", "--drafter", tiny.root / "drafter", out, "--overwrite").code == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    source = tiny.root / "drafter"
+    before = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    same = run_cli("export", "--drafter", source, source, "--overwrite")
+    assert same.code == 2 and "the drafter's own folder" in same.err
+    assert {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()} == before
+    (tmp_path / "file").write_text("")
+    as_file = run_cli("export", "--drafter", source, tmp_path / "file")
+    assert as_file.code == 2 and "is a file" in as_file.err and "Traceback" not in as_file.err
+
+
+def test_export_draft_vocab_with_a_target(tiny, tmp_path):
+    drafter = DCOCODrafter.from_pretrained(tiny.root / "drafter").set_draft_vocabulary(list(range(0, VOCAB, 2)))
+    drafter.save_pretrained(tmp_path / "vocab-drafter")
+    result = run_cli("export", "--drafter", tmp_path / "vocab-drafter", "--target", tiny.root / "target",
+                     "--draft-vocab", tmp_path / "out")
+    assert result.code == 0, result.err
+    assert "tuned for" not in result.err  # the export needs the target's lm_head rows, not a tuning
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_vocab_size"] == VOCAB // 2
+
+
+def test_a_nan_temperature_is_refused_in_one_line(tiny):
+    result = run_cli("generate", *tiny.model_args, "w1 w2", "--temperature", "nan")
+    assert result.code == 2 and "--temperature nan" in result.err and "Traceback" not in result.err
+
+
+def test_ctrl_c_during_bench_reports_the_finished_prompts(tiny, monkeypatch):
+    run, calls = MethodRunner.run, []
+
+    def interrupted_on_the_second_prompt(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # warmup 0, two methods per prompt: the second prompt's second run is interrupted
+            raise KeyboardInterrupt
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(MethodRunner, "run", interrupted_on_the_second_prompt)
+    json_path = tiny.root / "interrupted.json"
+    result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--methods", "vanilla,dcoco",
+                     "--max-new-tokens", 6, "--warmup", 0, "--json", json_path)
+    assert result.code == 130 and "Traceback" not in result.err and "1 of 3 prompt(s)" in result.err
+    report = json.loads(json_path.read_text())
+    assert report["config"]["interrupted_after_prompts"] == 1 and len(report["runs"]) == 2
+    assert "dcoco" in result.out

@@ -13,6 +13,7 @@ from conftest import PROMPT_LEN, make_target
 
 from dcoco_hf import CPU_GQA_ATTENTION, speculative_generate
 from dcoco_hf.cli_common import resolve_attn
+from dcoco_hf.hf_compat import cache_kwargs, output_cache
 
 
 @contextmanager
@@ -50,7 +51,7 @@ def _cached_forwards(target, new_rows: int) -> list[torch.Tensor]:
     with torch.no_grad():
         first = target(input_ids=prompt, attention_mask=mask, use_cache=True)
         full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
-        second = target(input_ids=new, attention_mask=full_mask, cache=first.past_key_values, use_cache=True)
+        second = target(input_ids=new, attention_mask=full_mask, **cache_kwargs(output_cache(first)), use_cache=True)
     return [first.logits, second.logits]
 
 

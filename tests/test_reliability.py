@@ -4,6 +4,9 @@ errors instead of tracebacks for bad CLI input."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -275,7 +278,7 @@ def test_target_folder_that_is_not_a_model(folders, case):
 def test_drafter_config_that_no_longer_matches_its_weights(folders):
     result = _cli("bench", "--target", folders / "target", "--drafter", folders / "edited_drafter", "--methods",
                   "dcoco", "--prompts", folders / "prompts.jsonl", "--max-new-tokens", 4, "--warmup", 0)
-    assert result.code == 1
+    assert result.code == 2
     _one_line_error(result, "bench", str(folders / "edited_drafter"), "config.json", "weights")
 
 
@@ -293,3 +296,24 @@ def test_bad_numbers_fail_before_loading_in_both_benches(folders, no_loading, co
     result = _cli(*argv)
     assert result.code == 2
     _one_line_error(result, command, option)
+
+
+@pytest.mark.parametrize(
+    "file,field,value",
+    [("config.json", "block_size", "abc"), ("config.json", "block_size", 2.5),
+     ("config.json", "target_layer_ids", "1,2"), ("config.json", "top_k", "16"),
+     ("generation_config.json", "block_tau", "fast"), ("generation_config.json", "geometric_lambda", "x")],
+)
+@pytest.mark.parametrize("command", ["export", "generate"])
+def test_a_drafter_field_of_the_wrong_type_is_one_line_naming_it(folders, tmp_path, command, file, field, value):
+    edited = tmp_path / "drafter"
+    shutil.copytree(folders / "drafter", edited)
+    path = edited / file
+    data = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**data, field: value}))
+    if command == "export":
+        result = _cli("export", "--drafter", edited, tmp_path / "out")
+    else:
+        result = _cli("generate", "--target", folders / "target", "--drafter", edited, "w1 w2", "--max-new-tokens", 4)
+    assert result.code == 2
+    _one_line_error(result, command, f"{field}=")

@@ -401,3 +401,16 @@ def test_config_keywords_stay_out_of_the_generation_config(tmp_path, llama):
     loaded.save_pretrained(tmp_path / "b")
     generation = json.loads((tmp_path / "b" / "generation_config.json").read_text())
     assert "correct_first_slot" not in generation and generation["selection"] == "viterbi"
+
+
+@pytest.mark.parametrize("edit", [{"corrector_type": "lilicorr"}, {"num_hidden_layers": 0, "layer_types": []}],
+                         ids=["lilicorr-config-over-dcoco-weights", "fewer-layers"])
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, edit):
+    target = make_target("llama")
+    torch.manual_seed(0)
+    DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match="this config has no place for") as error:
+        DCOCODrafter.from_pretrained(tmp_path)
+    assert ("corrector." if "corrector_type" in edit else "layers.0.") in str(error.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -533,3 +534,27 @@ def test_corpus_bigrams_join_a_trained_corrector_at_zero_train_and_round_trip(tm
               tmp_path / "saved" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks 3 drafter weight"):
         DCOCODrafter.from_pretrained(tmp_path / "saved")
+
+
+class _Planted:
+    """Any class a pickle may name: unpickling it runs code of the pickle's choosing (here, harmlessly, a flag)."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (_Planted._run, ())
+
+    @staticmethod
+    def _run():
+        _Planted.ran = True
+        return {}
+
+
+def test_shards_load_tensors_only(tmp_path):
+    # torch.load without weights_only unpickles arbitrary objects; a planted shard must be refused, unexecuted.
+    torch.save([{"input_ids": torch.arange(4)}], tmp_path / "shard-00000.pt")
+    assert torch.equal(load_shards(tmp_path)[0]["input_ids"], torch.arange(4))
+    torch.save([_Planted()], tmp_path / "shard-00001.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_shards(tmp_path)
+    assert not _Planted.ran

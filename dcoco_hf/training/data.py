@@ -345,7 +345,7 @@ def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
     paths = sorted(Path(data_dir).glob("shard-*.pt"))
     if not paths:
         raise FileNotFoundError(f"No shard-*.pt files in {data_dir}; run scripts/regenerate_data.py first.")
-    return [record for path in paths for record in torch.load(path)]
+    return [record for path in paths for record in torch.load(path, weights_only=True)]
 
 
 def draft_vocabulary(
@@ -422,7 +422,7 @@ def cache_target_features(
         if destination.exists():
             _check_cached_source(path, destination)
             continue
-        records = torch.load(path)
+        records = torch.load(path, weights_only=True)
         for batch in _length_batches(records, batch_tokens):
             lengths = [len(record["input_ids"]) for record in batch]
             ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
@@ -455,7 +455,7 @@ def _check_cached_source(source: Path, cached: Path) -> None:
     stamp = _fingerprint_file(cached)
     same = stamp.exists() and stamp.read_text() == _fingerprint(source)
     if not same:  # never stamped, or the shard file was rewritten (e.g. repacked): compare the token ids once
-        old, new = torch.load(cached), torch.load(source)
+        old, new = torch.load(cached, weights_only=True), torch.load(source, weights_only=True)
         same = len(old) == len(new) and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(old, new))
         if same:
             stamp.write_text(_fingerprint(source))

@@ -36,6 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .context_cache import DraftContextCache
 from .device import device_sync
 from .proposal import CycleCosts
+from .hf_compat import cache_kwargs
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
@@ -141,7 +142,7 @@ def measure_cycle_costs(
     positions = torch.arange(context_length + new_rows + longest, device=device)[None]
 
     target_cache = DynamicCache(config=target.config)
-    target(input_ids=ids[:, :context_length], cache=target_cache, use_cache=True, logits_to_keep=1)
+    target(input_ids=ids[:, :context_length], **cache_kwargs(target_cache), use_cache=True, logits_to_keep=1)
     draft_cache = DraftContextCache()
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows
         block = positions[:, context_length : context_length + min(block_sizes)]
@@ -151,7 +152,7 @@ def measure_cycle_costs(
     def verify(rows: int) -> float:
         sync()
         start = time.perf_counter()
-        target(input_ids=ids[:, context_length : context_length + rows], cache=target_cache, use_cache=True,
+        target(input_ids=ids[:, context_length : context_length + rows], **cache_kwargs(target_cache), use_cache=True,
                logits_to_keep=rows)
         sync()
         seconds = time.perf_counter() - start

@@ -28,6 +28,49 @@ AUTO_MAP = {
 }
 
 
+# The type of every field DCOCOConfig reads as a number, flag, name or list (None allowed where the default is None):
+# checked before any conversion, so `block_size: "abc"` or `2.5` in a config.json is refused naming the field.
+_INT, _FLOAT, _BOOL, _STR, _INTS, _STRS = "an integer", "a number", "true or false", "a string", "a list of integers", (
+    "a list of strings")
+_FIELD_TYPES = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "max_block_size", "mask_token_id",
+         "num_target_layers", "top_k", "corrector_rank", "corrector_hidden", "corpus_bigrams", "draft_vocab_size",
+         "lilicorr_block_size", "lilicorr_hidden_size", "lilicorr_num_layers", "lilicorr_num_heads",
+         "lilicorr_factor_dim"), _INT),
+    **dict.fromkeys(
+        ("rms_norm_eps", "rope_theta", "attention_dropout", "initializer_range", "lilicorr_mlp_ratio",
+         "lilicorr_vector_eps", "lilicorr_logit_scale"), _FLOAT),
+    **dict.fromkeys(("attention_bias", "correct_first_slot", "context_bigrams"), _BOOL),
+    **dict.fromkeys(("hidden_act", "corrector_type"), _STR),
+    "target_layer_ids": _INTS,
+    "layer_types": _STRS,
+}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == _INT:
+        return is_int
+    if kind == _FLOAT:
+        return is_int or isinstance(value, float)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _STR:
+        return isinstance(value, str)
+    item = _INT if kind == _INTS else _STR
+    return isinstance(value, (list, tuple)) and all(_has_type(v, item) for v in value)
+
+
+def check_field_types(values: Mapping[str, Any]) -> None:
+    """Raise a ValueError naming the first field of `values` (config.json's fields) whose value has the wrong type."""
+    for name, kind in _FIELD_TYPES.items():
+        value = values.get(name)
+        if value is not None and not _has_type(value, kind):
+            raise ValueError(f"config field {name}={value!r} must be {kind}; fix it in config.json.")
+
+
 class DCOCOConfig(PreTrainedConfig):
     r"""
     Args:
@@ -171,6 +214,7 @@ class DCOCOConfig(PreTrainedConfig):
         block_size = block_size if block_size is not None else dflash_config.get("block_size", 16)
         mask_token_id = mask_token_id if mask_token_id is not None else dflash_config.get("mask_token_id")
         target_layer_ids = target_layer_ids if target_layer_ids is not None else dflash_config.get("target_layer_ids")
+        check_field_types({**locals(), **{name: kwargs[name] for name in _FIELD_TYPES if name in kwargs}})
         # A public LiLiCorr checkpoint keeps its head geometry there too (`lilicorr_*`, candidate_topk = our top_k).
         public = config_from_public(dflash_config)
         if public is not None:
@@ -331,12 +375,20 @@ class DecodingChoices:
         """The choices in `values` (a generation config's attributes; a missing one takes its default), checked
         against the drafter's `config`. Raises a ValueError naming the bad field and the fix."""
         defaults = cls()
-        selection = walk_name(values.get("selection", defaults.selection))  # a legacy "greedy" is "prefix_first"
-        geometric_lambda = float(values.get("geometric_lambda", defaults.geometric_lambda))
-        if not 0.0 < geometric_lambda <= 1.0:
+        selection = values.get("selection", defaults.selection)
+        if not isinstance(selection, str):
+            raise ValueError(f"selection={selection!r} (generation config) must be a string, one of {list(WALKS)}.")
+        selection = walk_name(selection)  # a legacy "greedy" is "prefix_first"
+        geometric_lambda = values.get("geometric_lambda", defaults.geometric_lambda)
+        if not _has_type(geometric_lambda, _FLOAT) or not 0.0 < geometric_lambda <= 1.0:
             raise ValueError(f"geometric_lambda={geometric_lambda} (generation config) must lie in (0, 1].")
         block_tau = values.get("block_tau", defaults.block_tau)
         if block_tau is not None:
+            if not isinstance(block_tau, Mapping) or not all(
+                str(b).isdigit() and _has_type(t, _FLOAT) for b, t in block_tau.items()
+            ):
+                raise ValueError(f"block_tau={block_tau!r} (generation config) must map block sizes to measured tau, "
+                                 'e.g. {"2": 1.6, "3": 2.0}; use None when it was not measured.')
             # JSON keys are strings, so the table is keyed by str(B) whichever way it was written.
             block_tau = {str(b): float(t) for b, t in sorted((int(b), t) for b, t in block_tau.items())}
             largest = config.largest_block_size

@@ -67,7 +67,7 @@ class TargetTap:
         self.max_pending = max_pending
         self.listening = False
         self.timed = False
-        self.owner: object | None = None
+        self._owner: weakref.ReferenceType | None = None
         self.pending: list[TargetForward] = []
         self.forward_count = 0
         self.forward_starts: list[int] = []  # first position of each recorded forward
@@ -94,7 +94,15 @@ class TargetTap:
         self.timed, self._sync = timed, device_sync(self._device, timed)
         self._on_forward = weakref.WeakMethod(on_forward) if on_forward is not None else None
         self.listening, self.pending, self.forward_count, self.seconds, self.prefill_seconds = True, [], 0, 0.0, 0.0
-        self.forward_starts, self.owner, self._thread, self._current = [], owner, threading.get_ident(), None
+        self.forward_starts, self._thread, self._current = [], threading.get_ident(), None
+        # Weak: the target holds the tap through its hooks, and a strong owner (engine -> drafter) would keep every
+        # drafter that ever served a call alive, its hooks with it (the finaliser that removes them never runs).
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    @property
+    def owner(self) -> object | None:
+        """The engine now (or last) listening, while it lives."""
+        return None if self._owner is None else self._owner()
 
     def stop(self, owner: object | None = None) -> None:
         """Stop recording (only if `owner` is still the listener: a newer call may have started listening since).

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -160,15 +162,17 @@ def tune(
     attention = target.config._attn_implementation
     key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
-    cached = None if refresh else _read(path)
+    layouts = on_cpu and few_rows_linear
+    cached = None if refresh else _read(path, max_rows if layouts else None, blocks)
     tuning.cache_file, tuning.from_cache = path, cached is not None
     cached = cached or {}
 
-    if on_cpu and few_rows_linear:
+    if layouts:
         tuning.target_layout = _lay_out(target, max_rows, cached.get("target_layout"))
         tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
     # After the layouts: the costs are those of the forwards as they will run.
-    tuning.costs = _cycle_costs(cached.get("cycle_costs")) or measure_cycle_costs(
+    cached_costs = cached.get("cycle_costs")  # checked by _read
+    tuning.costs = CycleCosts.from_dict(cached_costs) if cached_costs else measure_cycle_costs(
         target, drafter, blocks, max_rows=max(blocks)
     )
     if choices and not cost_aware:
@@ -211,20 +215,9 @@ def cpu_name() -> str:
 
 
 def _lay_out(model: nn.Module, max_rows: int, cached: dict[str, str] | None) -> dict[int, str]:
-    plan = {int(rows): name for rows, name in cached.items()} if cached else None
-    if plan is not None and set(plan.values()) <= set(available_layouts()):
-        return use_few_rows_linear(model, max_rows=max_rows, layout=plan)
+    if cached is not None:  # checked by _read
+        return use_few_rows_linear(model, max_rows=max_rows, layout={int(rows): name for rows, name in cached.items()})
     return use_few_rows_linear(model, max_rows=max_rows)
-
-
-def _cycle_costs(cached: Any) -> CycleCosts | None:
-    if cached is None:
-        return None
-    try:
-        return CycleCosts.from_dict(cached)
-    except (TypeError, ValueError) as error:  # another shape: measure again
-        logger.warning("ignoring cached cycle costs of another shape (%s); measuring again", error)
-        return None
 
 
 def _cache_key(target, drafter, device, max_rows, blocks, layouts, attention) -> str:
@@ -255,15 +248,61 @@ def _model_identity(model: PreTrainedModel) -> dict[str, Any]:
     return {"config": config, "dtype": str(model.dtype), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _read(path: Path | None) -> dict[str, Any] | None:
+def _read(path: Path | None, max_rows: int | None, blocks: list[int]) -> dict[str, Any] | None:
+    """The cached measurements in `path`, or None (measure again) when there are none or they are not exactly what
+    this tuning would measure: `max_rows` the few-rows plans must cover (None: no plans), `blocks` the drafted
+    block sizes the cycle costs must cover."""
     if path is None or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:  # a torn or foreign file: measure again and overwrite it
-        logger.warning("ignoring unreadable tuning cache %s (%s); measuring again", path, error)
-        return None
-    return data if data.get("version") == _CACHE_VERSION else None
+        problem = f"unreadable: {error}"
+    else:
+        problem = _cache_problem(data, max_rows, blocks)
+    if problem is None:
+        return data
+    logger.warning("ignoring the tuning cache %s (%s); measuring again", path, problem)
+    return None
+
+
+def _cache_problem(data: Any, max_rows: int | None, blocks: list[int]) -> str | None:
+    """What is wrong with a cache file's contents, or None. Everything a later step reads is checked here, bounds
+    included, so that a hand-edited or foreign file is measured again instead of crashing attach (or generate)."""
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    if data.get("version") != _CACHE_VERSION:
+        return f"version {data.get('version')!r}, expected {_CACHE_VERSION}"
+    for name in ("target_layout", "drafter_layout"):
+        problem = _plan_problem(data.get(name), max_rows)
+        if problem is not None:
+            return f"{name}: {problem}"
+    problem = _costs_problem(data.get("cycle_costs"), blocks)
+    return None if problem is None else f"cycle_costs: {problem}"
+
+
+def _plan_problem(plan: Any, max_rows: int | None) -> str | None:
+    """A few-rows plan must name a layout available here for every row count 2..max_rows (the plan `tune` makes)."""
+    if max_rows is None:
+        return None  # not read
+    if not isinstance(plan, dict):
+        return f"expected an object {{rows: layout}}, got {type(plan).__name__}"
+    expected = {str(rows) for rows in range(2, max_rows + 1)}
+    if set(plan) != expected:
+        return f"row counts {sorted(plan)[:8]}, expected 2..{max_rows}"
+    unknown = {name for name in plan.values() if name not in available_layouts()}
+    return f"layouts {sorted(map(str, unknown))} not among {list(available_layouts())}" if unknown else None
+
+
+def _costs_problem(costs: Any, blocks: list[int]) -> str | None:
+    """Cycle costs must have a finite positive time for a verify of 1..max(blocks) rows and a draft of each block."""
+    try:
+        parsed = CycleCosts.from_dict(costs)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    if parsed.max_rows != max(blocks) or sorted(parsed.draft) != blocks:
+        return f"cover {parsed.max_rows} rows and blocks {sorted(parsed.draft)}, expected {max(blocks)} and {blocks}"
+    return None
 
 
 def _write(path: Path, tuning: Tuning) -> None:
@@ -274,14 +313,18 @@ def _write(path: Path, tuning: Tuning) -> None:
         "drafter_layout": tuning.drafter_layout,
         "cycle_costs": None if tuning.costs is None else tuning.costs.to_dict(),
     }
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        temporary.replace(path)  # atomic: a concurrent reader sees the old file or the new one, never half
+        # A fresh name made with O_EXCL: a predictable one could be a symlink planted by another user.
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(json.dumps(data, indent=1) + "\n")
+        os.replace(temporary, path)  # atomic: a concurrent reader sees the old file or the new one, never half
     except OSError as error:  # a read-only home must not break generation; it only costs the next start-up
         logger.warning("could not cache the tuning in %s (%s); the next process measures again", path, error)
         tuning.cache_file = None
-
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
 
 __all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "tune", "untune"]

@@ -30,6 +30,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .context_cache import DraftContextCache
+<<<<<<< HEAD
 from .proposal import (
     COST_SCHEDULE,
     chain_labels,
@@ -37,6 +38,9 @@ from .proposal import (
     slot_confidence,
     update_recent,
 )
+=======
+from .hf_compat import assisted_loop_cuts_at_eos
+>>>>>>> issue-45b
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
@@ -82,10 +86,10 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.tap = drafter.tap
         self.selection = selection
         self.correct = correct
-        # transformers cuts accepted blocks at EOS and max_length itself; the others it checks only per cycle.
-        self.stopping_criteria = StoppingCriteriaList(
-            c for c in stopping_criteria or () if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
-        )
+        # transformers cuts accepted blocks at max_length (and, from 5.18, at EOS) itself; the others it checks only
+        # per cycle.
+        handled = (EosTokenCriteria, MaxLengthCriteria) if assisted_loop_cuts_at_eos() else (MaxLengthCriteria,)
+        self.stopping_criteria = StoppingCriteriaList(c for c in stopping_criteria or () if not isinstance(c, handled))
         self.cache = DraftContextCache()
         self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
         self.stats = DCOCOStats(drafter.config.block_size, drafter.config.top_k)
@@ -112,9 +116,14 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.tap.listen(self, timed=self.timed, on_forward=on_forward)
 
     def get_candidates(
-        self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs: Any
+        self,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int | None = None,
+        scores: tuple[torch.Tensor, ...] | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.LongTensor, torch.FloatTensor]:
-        """input_ids [1, L] (committed) -> (candidate ids [1, L + k], one-hot candidate logits [1, k, V])."""
+        """input_ids [1, L] (committed) -> (candidate ids [1, L + k], one-hot candidate logits [1, k, V]).
+        `scores`: what the assisted loop passes its stopping criteria (`assisted_loop_scores`)."""
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"transformers' assisted generation runs one sequence at a time (got batch {input_ids.shape[0]}); "
@@ -137,9 +146,17 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
             context_ids=committed[None], timed=self.timed,
         )
+<<<<<<< HEAD
         cap = block - 1 if max_new_tokens is None else min(max_new_tokens, block - 1)
         k = self._proposal_length(proposal, length, cap)
         tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0])
+=======
+        limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
+        tokens = cut_at_stop(
+            self.stopping_criteria, input_ids, proposal.tokens[:, :limit], proposal.candidates[0, 0], scores,
+            self.vocab_size,
+        )
+>>>>>>> issue-45b
         self.stats.drafter_seconds += proposal.backbone_seconds
         self.stats.corrector_seconds += proposal.corrector_seconds
         self._pending_cycle = (length, tokens.shape[1], self.tap.forward_count, proposal)
@@ -325,7 +342,13 @@ _OTHER_CALL = (
 )
 
 
-def tokens_before_stop(criteria: StoppingCriteriaList, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> int:
+def tokens_before_stop(
+    criteria: StoppingCriteriaList,
+    input_ids: torch.LongTensor,
+    tokens: torch.LongTensor,
+    scores: tuple[torch.Tensor, ...] | None = None,
+    vocab_size: int | None = None,
+) -> int:
     """How many of the proposed `tokens` [1, k] to keep after `input_ids` [1, L]: those before the first one at
     which a stopping criterion fires.
 
@@ -333,14 +356,22 @@ def tokens_before_stop(criteria: StoppingCriteriaList, input_ids: torch.LongTens
     `generate()` checks after every token. Proposing nothing past the first firing position restores plain
     `generate()`'s behaviour exactly: accepted tokens are a prefix of the proposal, so a criterion can only fire at
     the block's last token (the target's own), where the loop's check sees it. The cut depends only on the
-    committed text and the proposal, so sampling stays exact too. Criteria see token ids only (scores=None).
+    committed text and the proposal, so sampling stays exact too.
+
+    Criteria get the `scores` the assisted loop passes them (`assisted_loop_scores`): None unless generate() was
+    asked for `output_scores` (as in plain generate()), else the loop's tuple of processed target scores of the
+    committed tokens, extended here by the proposal's own point-mass logits (the candidate logits the loop gets;
+    `vocab_size` wide) for the proposed tokens, whose target scores do not exist yet. A criterion that reads scores
+    is then checked again on the target's scores by the loop after every block, as in transformers' assisted loop.
     """
     if not criteria:
         return tokens.shape[1]
     sequence = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
+    proposed = None if scores is None else one_hot_logits(tokens, vocab_size).unbind(1)  # k x [1, V]
     length = input_ids.shape[1]
     for kept in range(tokens.shape[1]):
-        if bool(criteria(sequence[:, : length + kept + 1], None).any()):
+        seen = None if scores is None else (*scores, *proposed[: kept + 1])
+        if bool(criteria(sequence[:, : length + kept + 1], seen).any()):
             return kept
     return tokens.shape[1]
 
@@ -350,6 +381,8 @@ def cut_at_stop(
     input_ids: torch.LongTensor,
     tokens: torch.LongTensor,
     first_slot_candidates: torch.LongTensor,
+    scores: tuple[torch.Tensor, ...] | None = None,
+    vocab_size: int | None = None,
 ) -> torch.LongTensor:
     """The proposal `tokens` [1, k] cut before the first position where a stopping criterion fires (see
     `tokens_before_stop`); [1, >= 1] since transformers' loop takes no empty proposal.
@@ -358,11 +391,11 @@ def cut_at_stop(
     that does not: if the target accepts it, no stop was skipped; if it rejects it, the target's own token ends the
     block, where the loop's check sees it. Only criteria that fire whatever the token (`max_time`) keep slot 1.
     """
-    kept = tokens_before_stop(criteria, input_ids, tokens)
+    kept = tokens_before_stop(criteria, input_ids, tokens, scores, vocab_size)
     if kept > 0:
         return tokens[:, :kept]
     for candidate in first_slot_candidates.view(-1, 1, 1).to(tokens.device):  # [K, 1, 1]
-        if tokens_before_stop(criteria, input_ids, candidate) == 1:
+        if tokens_before_stop(criteria, input_ids, candidate, scores, vocab_size) == 1:
             return candidate
     return tokens[:, :1]
 
@@ -371,18 +404,31 @@ def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | Non
     """The stopping criteria of the `generate()` call now asking this drafter for candidates, or None.
 
     transformers hands candidate generators neither the criteria nor the tokenizer that `stop_strings` need; they
-    are a local of `_assisted_decoding` (transformers 5.24), a few frames up the stack from the drafter's
+    are a local of `_assisted_decoding` (transformers 5.17-5.25), a few frames up the stack from the drafter's
     `generate()`. Reading them there is the only way to honour custom criteria and stop strings exactly
     (`tokens_before_stop`); when transformers changes that layout, `DCOCODrafter.generate` refuses stop strings
     instead of silently running past them.
     """
-    frame = sys._getframe(1)
+    criteria = _assisted_decoding_local("stopping_criteria", max_depth)
+    return criteria if isinstance(criteria, StoppingCriteriaList) else None
+
+
+def assisted_loop_scores(max_depth: int = 8) -> tuple[torch.Tensor, ...] | None:
+    """The `scores` the assisted loop now asking for candidates passes its stopping criteria: None unless the call
+    asked for `output_scores` (and `return_dict_in_generate`), else its tuple of processed target scores so far."""
+    scores = _assisted_decoding_local("scores", max_depth)
+    return scores if isinstance(scores, tuple) else None
+
+
+def _assisted_decoding_local(name: str, max_depth: int) -> Any:
+    """A local of the `_assisted_decoding` frame a few frames up the stack, or None (see
+    `assisted_stopping_criteria`)."""
+    frame = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
             return None
         if frame.f_code.co_name == "_assisted_decoding":
-            criteria = frame.f_locals.get("stopping_criteria")
-            return criteria if isinstance(criteria, StoppingCriteriaList) else None
+            return frame.f_locals.get(name)
         frame = frame.f_back
     return None
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -160,11 +162,12 @@ def tune(
     attention = target.config._attn_implementation
     key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
-    cached = None if refresh else _read(path)
+    layouts = on_cpu and few_rows_linear
+    cached = None if refresh else _read(path, max_rows if layouts else None, choices)
     tuning.cache_file, tuning.from_cache = path, cached is not None
     cached = cached or {}
 
-    if on_cpu and few_rows_linear:
+    if layouts:
         tuning.target_layout = _lay_out(target, max_rows, cached.get("target_layout"))
         tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
     # After the layouts: the costs are those of the forwards as they will run.
@@ -211,9 +214,8 @@ def cpu_name() -> str:
 
 
 def _lay_out(model: nn.Module, max_rows: int, cached: dict[str, str] | None) -> dict[int, str]:
-    plan = {int(rows): name for rows, name in cached.items()} if cached else None
-    if plan is not None and set(plan.values()) <= set(available_layouts()):
-        return use_few_rows_linear(model, max_rows=max_rows, layout=plan)
+    if cached is not None:  # checked by _read
+        return use_few_rows_linear(model, max_rows=max_rows, layout={int(rows): name for rows, name in cached.items()})
     return use_few_rows_linear(model, max_rows=max_rows)
 
 
@@ -225,6 +227,14 @@ def _cycle_costs(cached: Any) -> CycleCosts | None:
     except (TypeError, ValueError) as error:  # another shape: measure again
         logger.warning("ignoring cached cycle costs of another shape (%s); measuring again", error)
         return None
+<<<<<<< HEAD
+=======
+    return BlockSizeChoice(  # checked by _read
+        cached["block_size"],
+        {int(b): float(t) for b, t in cached["tau"].items()},
+        {int(b): float(s) for b, s in cached["cycle_seconds"].items()},
+    )
+>>>>>>> issue-45b
 
 
 def _cache_key(target, drafter, device, max_rows, blocks, layouts, attention) -> str:
@@ -255,15 +265,68 @@ def _model_identity(model: PreTrainedModel) -> dict[str, Any]:
     return {"config": config, "dtype": str(model.dtype), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _read(path: Path | None) -> dict[str, Any] | None:
+def _read(path: Path | None, max_rows: int | None, choices: list[int]) -> dict[str, Any] | None:
+    """The cached measurements in `path`, or None (measure again) when there are none or they are not exactly what
+    this tuning would measure: `max_rows` the few-rows plans must cover (None: no plans), `choices` the block sizes."""
     if path is None or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:  # a torn or foreign file: measure again and overwrite it
-        logger.warning("ignoring unreadable tuning cache %s (%s); measuring again", path, error)
-        return None
-    return data if data.get("version") == _CACHE_VERSION else None
+        problem = f"unreadable: {error}"
+    else:
+        problem = _cache_problem(data, max_rows, choices)
+    if problem is None:
+        return data
+    logger.warning("ignoring the tuning cache %s (%s); measuring again", path, problem)
+    return None
+
+
+def _cache_problem(data: Any, max_rows: int | None, choices: list[int]) -> str | None:
+    """What is wrong with a cache file's contents, or None. Everything a later step reads is checked here, bounds
+    included, so that a hand-edited or foreign file is measured again instead of crashing attach (or generate)."""
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    if data.get("version") != _CACHE_VERSION:
+        return f"version {data.get('version')!r}, expected {_CACHE_VERSION}"
+    for name in ("target_layout", "drafter_layout"):
+        problem = _plan_problem(data.get(name), max_rows)
+        if problem is not None:
+            return f"{name}: {problem}"
+    problem = _choice_problem(data.get("block_choice"), choices)
+    return None if problem is None else f"block_choice: {problem}"
+
+
+def _plan_problem(plan: Any, max_rows: int | None) -> str | None:
+    """A few-rows plan must name a layout available here for every row count 2..max_rows (the plan `tune` makes)."""
+    if max_rows is None:
+        return None  # not read
+    if not isinstance(plan, dict):
+        return f"expected an object {{rows: layout}}, got {type(plan).__name__}"
+    expected = {str(rows) for rows in range(2, max_rows + 1)}
+    if set(plan) != expected:
+        return f"row counts {sorted(plan)[:8]}, expected 2..{max_rows}"
+    unknown = {name for name in plan.values() if name not in available_layouts()}
+    return f"layouts {sorted(map(str, unknown))} not among {list(available_layouts())}" if unknown else None
+
+
+def _choice_problem(choice: Any, choices: list[int]) -> str | None:
+    """A block choice must cover exactly the candidate sizes, with a finite positive tau and cycle time each."""
+    if not choices:
+        return None  # not read
+    if not isinstance(choice, dict):
+        return f"expected an object, got {type(choice).__name__}"
+    size = choice.get("block_size")
+    if type(size) is not int or size not in choices:
+        return f"block_size {size!r} is not one of {choices}"
+    for name in ("tau", "cycle_seconds"):
+        values = choice.get(name)
+        if not isinstance(values, dict) or set(values) != {str(c) for c in choices}:
+            return f"{name} must map exactly the sizes {choices} to numbers"
+        bad = [v for v in values.values() if type(v) not in (int, float) or not 0 < v < math.inf]
+        if bad:
+            return f"{name} values must be finite and positive, got {bad[:3]}"
+    return None
 
 
 def _write(path: Path, tuning: Tuning) -> None:
@@ -274,14 +337,18 @@ def _write(path: Path, tuning: Tuning) -> None:
         "drafter_layout": tuning.drafter_layout,
         "cycle_costs": None if tuning.costs is None else tuning.costs.to_dict(),
     }
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        temporary.replace(path)  # atomic: a concurrent reader sees the old file or the new one, never half
+        # A fresh name made with O_EXCL: a predictable one could be a symlink planted by another user.
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(json.dumps(data, indent=1) + "\n")
+        os.replace(temporary, path)  # atomic: a concurrent reader sees the old file or the new one, never half
     except OSError as error:  # a read-only home must not break generation; it only costs the next start-up
         logger.warning("could not cache the tuning in %s (%s); the next process measures again", path, error)
         tuning.cache_file = None
-
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
 
 __all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "tune", "untune"]
