@@ -377,7 +377,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         """How each cycle's proposal length is chosen (`generation_config.num_assistant_tokens_schedule`): "cost"
         (the default: the length of most expected tokens per second, `proposal.py`), "constant" (every slot of the
         block, up to `num_assistant_tokens`) or transformers' "heuristic"."""
-        return check_schedule(getattr(self.generation_config, "num_assistant_tokens_schedule", "constant"))
+        # Unset (a folder without generation_config.json, e.g. a public DFlash checkpoint): the cost-aware default.
+        return check_schedule(getattr(self.generation_config, "num_assistant_tokens_schedule", None) or COST_SCHEDULE)
 
     @property
     def proposal_schedule(self) -> ProposalSchedule:

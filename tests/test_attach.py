@@ -230,13 +230,14 @@ _NO_KEY = object()
         lambda d: _edited(d, "target_layout", ["gemm"]), lambda d: _edited(d, "target_layout", {"x": "gemm"}),
         lambda d: _edited(d, "target_layout", {str(r): "gemm" for r in range(2, 3_000_000)}),
         lambda d: _edited(d, "drafter_layout", {k: "fastest" for k in d["drafter_layout"]}),
-        lambda d: _edited(d, "block_choice", "4"), lambda d: _edited(d, "block_choice.block_size", 99),
-        lambda d: {**d, "block_choice": {k: v for k, v in d["block_choice"].items() if k != "tau"}},
-        lambda d: _edited(d, "block_choice.cycle_seconds", {k: 0 for k in d["block_choice"]["cycle_seconds"]}),
-        lambda d: _edited(d, "block_choice.tau", {k: "fast" for k in d["block_choice"]["tau"]}),
+        lambda d: _edited(d, "cycle_costs", "4"), lambda d: _edited(d, "cycle_costs.draft", {"99": 0.1}),
+        lambda d: {**d, "cycle_costs": {k: v for k, v in d["cycle_costs"].items() if k != "verify"}},
+        lambda d: _edited(d, "cycle_costs.verify", [0 for _ in d["cycle_costs"]["verify"]]),
+        lambda d: _edited(d, "cycle_costs.verify", ["fast" for _ in d["cycle_costs"]["verify"]]),
+        lambda d: _edited(d, "cycle_costs.verify", d["cycle_costs"]["verify"][::-1] + [1e9]),
     ],
     ids=["null", "list", "number", "string", "layout-list", "layout-key-x", "layout-3M-rows", "layout-unknown",
-         "choice-string", "block-99", "no-tau", "zero-cycle", "tau-string"],
+         "costs-string", "block-99", "no-verify", "zero-seconds", "seconds-string", "wrong-rows"],
 )
 def test_a_cache_file_of_the_wrong_shape_is_measured_again_with_one_warning(tmp_path, monkeypatch, capsys, edit):
     monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
@@ -254,7 +255,8 @@ def test_a_cache_file_of_the_wrong_shape_is_measured_again_with_one_warning(tmp_
 
 def _cache_valid(data: dict, good: dict) -> bool:
     return set(data) == set(good) and set(data["target_layout"]) == set(good["target_layout"]) and (
-        data["block_choice"]["block_size"] in map(int, good["block_choice"]["tau"])
+        len(data["cycle_costs"]["verify"]) == len(good["cycle_costs"]["verify"])
+        and set(data["cycle_costs"]["draft"]) == set(good["cycle_costs"]["draft"])
     )
 
 
@@ -269,7 +271,7 @@ def test_the_cache_write_is_exclusive_and_leaves_nothing_behind_when_refused(tmp
     victim.write_text("keep")
     (tmp_path / f"{key}.{os.getpid()}.tmp").symlink_to(victim)
     again = _drafter(target).attach(target).tuning
-    assert victim.read_text() == "keep" and json.loads(again.cache_file.read_text())["version"] == 1
+    assert victim.read_text() == "keep" and json.loads(again.cache_file.read_text())["version"] == 2
     # A refused write (the final name is a directory) warns, keeps no cache file and leaves no temporary file.
     again.cache_file.unlink()
     again.cache_file.mkdir()

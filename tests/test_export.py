@@ -121,6 +121,7 @@ def test_export_runs_under_transformers_dflash_path_like_our_engine_with_the_cor
     round, our first draft of a call precedes the prefill), and both stay equal to plain greedy decoding."""
     target, drafter = qwen3_fitted
     noisy = scrambled(drafter, seed=3)
+    noisy.generation_config.num_assistant_tokens_schedule = "constant"  # whole blocks, as transformers' DFlash path
     reloaded = DCOCODrafter.from_pretrained(export_dflash(noisy, tmp_path / "dflash")).attach(target)
     drafts = {}
     for cls in (DCOCOCandidateGenerator, DFlashTokenCandidateGenerator):

@@ -36,8 +36,19 @@ def measure_tau(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.L
                 ) -> float:
     """Committed tokens per target forward of greedy `target.generate(..., assistant_model=drafter)` over prompts.
 
-    prompts_ids: token id tensors [T] or [1, T]. `drafter` may be a DCOCODrafter or a PeftModel around one.
+    prompts_ids: token id tensors [T] or [1, T]. `drafter` may be a DCOCODrafter or a PeftModel around one. Whole
+    blocks are proposed every cycle (the constant schedule), so tau measures the drafter, not the machine's costs.
     """
+    config = drafter.generation_config
+    saved, config.num_assistant_tokens_schedule = config.num_assistant_tokens_schedule, "constant"
+    try:
+        return _measure_tau(target, drafter, prompts_ids, max_new_tokens)
+    finally:
+        config.num_assistant_tokens_schedule = saved
+
+
+def _measure_tau(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.LongTensor], max_new_tokens: int
+                 ) -> float:
     committed = forwards = 0
     for ids in prompts_ids:
         ids = ids.long().view(1, -1).to(target.device)

@@ -142,6 +142,8 @@ def measure_cycle_costs(
     positions = torch.arange(context_length + new_rows + longest, device=device)[None]
 
     target_cache = DynamicCache(config=target.config)
+    if hasattr(target_cache, "activate_past_recording"):  # sliding-window layers then crop back like full ones
+        target_cache.activate_past_recording()
     target(input_ids=ids[:, :context_length], **cache_kwargs(target_cache), use_cache=True, logits_to_keep=1)
     draft_cache = DraftContextCache()
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -101,8 +102,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         generation = drafter.generation_config
         self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
         self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
-        self.driver = driver if self.schedule is not None else None
-        self._driver_tokens = driver.num_assistant_tokens if self.driver is not None else 0
+        # Weak: transformers' generator holds our handle (as its assistant's cache), whose finaliser holds this engine.
+        self._driver = weakref.ref(driver) if driver is not None and self.schedule is not None else None
+        self._driver_tokens = driver.num_assistant_tokens if self._driver is not None else 0
         self.recent = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0  # running slot-1 rate
         self.plain_run = 0  # the last run of plain steps the schedule planned
         self.plain_left = 0  # plain steps still to take before the next draft
@@ -113,7 +115,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._drafted = 0  # cycles drafted in this call
         self._last_committed_tail: list[int] = []  # the newest committed tokens, read with a draft vocabulary
         self._plain_since_draft = 0  # plain steps the schedule took since the last draft
-        on_forward = self._on_target_forward if self.driver is not None else None
+        on_forward = self._on_target_forward if self._driver is not None else None
         self.tap.listen(self, timed=self.timed, on_forward=on_forward)
 
     def get_candidates(
@@ -178,9 +180,15 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             entry = (length, proposal.tokens[0].tolist(), confidence, predicted, self.recent, draftable)
             self._unlabelled.append(entry)
             self.plain_run = next_plain_run(choice.gain, self.plain_run)
-            if self.plain_run and self.driver is not None:
-                self.plain_left, self.driver.num_assistant_tokens = self.plain_run, 0
+            driver = self.driver
+            if self.plain_run and driver is not None:
+                self.plain_left, driver.num_assistant_tokens = self.plain_run, 0
         return choice.k
+
+    @property
+    def driver(self) -> AssistedCandidateGenerator | None:
+        """transformers' generator of this call, while the call runs (see `assisted_driver`)."""
+        return self._driver() if self._driver is not None else None
 
     def _on_target_forward(self, width: int) -> None:
         """After each target forward (the tap): count the plain steps taken instead of drafts, and draft again
@@ -189,8 +197,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.plain_left -= 1
             self._plain_since_draft += 1
             self.stats.observe_plain_steps()
-            if not self.plain_left:
-                self.driver.num_assistant_tokens = self._driver_tokens
+            driver = self.driver
+            if not self.plain_left and driver is not None:
+                driver.num_assistant_tokens = self._driver_tokens
 
     def _label_drafts(self, committed: torch.LongTensor, final: bool = False) -> None:
         """Teach the acceptance fit from the drafted blocks whose fate the committed text now settles: every slot

@@ -35,11 +35,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .context_cache import DraftContextCache
 from .device import device_sync
-<<<<<<< HEAD
 from .proposal import CycleCosts
-=======
 from .hf_compat import cache_kwargs
->>>>>>> issue-45b
 
 if TYPE_CHECKING:
     from .modeling_dcoco import DCOCODrafter
@@ -145,6 +142,8 @@ def measure_cycle_costs(
     positions = torch.arange(context_length + new_rows + longest, device=device)[None]
 
     target_cache = DynamicCache(config=target.config)
+    if hasattr(target_cache, "activate_past_recording"):  # sliding-window layers then crop back like full ones
+        target_cache.activate_past_recording()
     target(input_ids=ids[:, :context_length], **cache_kwargs(target_cache), use_cache=True, logits_to_keep=1)
     draft_cache = DraftContextCache()
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows
@@ -155,7 +154,7 @@ def measure_cycle_costs(
     def verify(rows: int) -> float:
         sync()
         start = time.perf_counter()
-        target(input_ids=ids[:, context_length : context_length + rows], cache=target_cache, use_cache=True,
+        target(input_ids=ids[:, context_length : context_length + rows], **cache_kwargs(target_cache), use_cache=True,
                logits_to_keep=rows)
         sync()
         seconds = time.perf_counter() - start
@@ -165,11 +164,6 @@ def measure_cycle_costs(
     def draft(block_size: int) -> float:
         sync()
         start = time.perf_counter()
-<<<<<<< HEAD
-=======
-        target(input_ids=ids[:, context_length : context_length + block_size], **cache_kwargs(target_cache),
-               use_cache=True)
->>>>>>> issue-45b
         with block_size_for_call(drafter, block_size):
             cycle_positions = positions[:, context_length : context_length + new_rows + block_size]
             drafter.propose(

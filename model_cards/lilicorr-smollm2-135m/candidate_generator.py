@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -30,17 +31,15 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .context_cache import DraftContextCache
-<<<<<<< HEAD
 from .proposal import (
     COST_SCHEDULE,
     chain_labels,
+    draftable_share,
     next_plain_run,
     slot_confidence,
     update_recent,
 )
-=======
 from .hf_compat import assisted_loop_cuts_at_eos
->>>>>>> issue-45b
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
@@ -103,16 +102,20 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         generation = drafter.generation_config
         self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
         self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
-        self.driver = driver if self.schedule is not None else None
-        self._driver_tokens = driver.num_assistant_tokens if self.driver is not None else 0
+        # Weak: transformers' generator holds our handle (as its assistant's cache), whose finaliser holds this engine.
+        self._driver = weakref.ref(driver) if driver is not None and self.schedule is not None else None
+        self._driver_tokens = driver.num_assistant_tokens if self._driver is not None else 0
         self.recent = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0  # running slot-1 rate
         self.plain_run = 0  # the last run of plain steps the schedule planned
         self.plain_left = 0  # plain steps still to take before the next draft
-        self._unlabelled: list[tuple[int, list[int], list[float], list[float], float]] = []
+        self._unlabelled: list[tuple[int, list[int], list[float], list[float], float, float]] = []
+        ids = drafter.draft_token_ids
+        self.draft_vocabulary = frozenset(ids.tolist()) if ids is not None and self.schedule is not None else None
         self._cycle_start: float | None = None  # when the previous get_candidates started
         self._drafted = 0  # cycles drafted in this call
+        self._last_committed_tail: list[int] = []  # the newest committed tokens, read with a draft vocabulary
         self._plain_since_draft = 0  # plain steps the schedule took since the last draft
-        on_forward = self._on_target_forward if self.driver is not None else None
+        on_forward = self._on_target_forward if self._driver is not None else None
         self.tap.listen(self, timed=self.timed, on_forward=on_forward)
 
     def get_candidates(
@@ -137,6 +140,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         committed = input_ids[0]
         self._finish_cycle(committed)
         self._label_drafts(committed)
+        if self.draft_vocabulary is not None:
+            self._last_committed_tail = committed[-_DRAFTABLE_WINDOW:].tolist()
         context, positions = self._new_context(committed)
         length = committed.shape[0]
         block = self.drafter.config.block_size
@@ -146,17 +151,12 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
             context_ids=committed[None], timed=self.timed,
         )
-<<<<<<< HEAD
         cap = block - 1 if max_new_tokens is None else min(max_new_tokens, block - 1)
         k = self._proposal_length(proposal, length, cap)
-        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0])
-=======
-        limit = self.drafter.config.block_size - 1 if max_new_tokens is None else max_new_tokens
         tokens = cut_at_stop(
-            self.stopping_criteria, input_ids, proposal.tokens[:, :limit], proposal.candidates[0, 0], scores,
+            self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores,
             self.vocab_size,
         )
->>>>>>> issue-45b
         self.stats.drafter_seconds += proposal.backbone_seconds
         self.stats.corrector_seconds += proposal.corrector_seconds
         self._pending_cycle = (length, tokens.shape[1], self.tap.forward_count, proposal)
@@ -173,14 +173,22 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         confidence = slot_confidence(
             proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
         )[0].tolist()  # [S]
-        predicted = self.schedule.acceptance.predict(confidence, self.recent)
+        draftable = draftable_share(self._last_committed_tail, self.draft_vocabulary)
+        predicted = self.schedule.acceptance.predict(confidence, self.recent, draftable)
         choice = self.schedule.choose(predicted, cap, self.floor, self.drafter.config.block_size)
         if self._drafted:  # the call's first draft precedes the prompt's forward: it has no context to go by
-            self._unlabelled.append((length, proposal.tokens[0].tolist(), confidence, predicted, self.recent))
+            entry = (length, proposal.tokens[0].tolist(), confidence, predicted, self.recent, draftable)
+            self._unlabelled.append(entry)
             self.plain_run = next_plain_run(choice.gain, self.plain_run)
-            if self.plain_run and self.driver is not None:
-                self.plain_left, self.driver.num_assistant_tokens = self.plain_run, 0
+            driver = self.driver
+            if self.plain_run and driver is not None:
+                self.plain_left, driver.num_assistant_tokens = self.plain_run, 0
         return choice.k
+
+    @property
+    def driver(self) -> AssistedCandidateGenerator | None:
+        """transformers' generator of this call, while the call runs (see `assisted_driver`)."""
+        return self._driver() if self._driver is not None else None
 
     def _on_target_forward(self, width: int) -> None:
         """After each target forward (the tap): count the plain steps taken instead of drafts, and draft again
@@ -189,8 +197,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.plain_left -= 1
             self._plain_since_draft += 1
             self.stats.observe_plain_steps()
-            if not self.plain_left:
-                self.driver.num_assistant_tokens = self._driver_tokens
+            driver = self.driver
+            if not self.plain_left and driver is not None:
+                driver.num_assistant_tokens = self._driver_tokens
 
     def _label_drafts(self, committed: torch.LongTensor, final: bool = False) -> None:
         """Teach the acceptance fit from the drafted blocks whose fate the committed text now settles: every slot
@@ -200,13 +209,13 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         known = committed.tolist()
         waiting = []
         for entry in self._unlabelled:
-            length, proposed, confidence, predicted, recent = entry
+            length, proposed, confidence, predicted, recent, draftable = entry
             labels = chain_labels(proposed, known[length : length + len(proposed)])
             if not final and len(labels) < len(proposed) and all(labels):
                 waiting.append(entry)  # every slot so far right: the next ones are not committed yet
                 continue
             if labels:
-                self.schedule.acceptance.observe(confidence, recent, labels)
+                self.schedule.acceptance.observe(confidence, recent, labels, draftable)
                 self.stats.observe_prediction(predicted, labels)
                 self.recent = update_recent(self.recent, labels[0])
         self._unlabelled = waiting
@@ -335,6 +344,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.stats.observe_candidates(candidates[: truth.shape[0]] == truth[:, None])  # [s, K]
         self._slot_candidates = []
 
+
+_DRAFTABLE_WINDOW = 8  # committed tokens whose share inside the draft vocabulary predicts the next ones
 
 _OTHER_CALL = (
     "These sequences did not come from the last generate() call that consulted this drafter (a call with fewer than 2 "

@@ -177,15 +177,18 @@ def _sigmoid(x: float) -> float:
 
 
 class AcceptanceModel:
-    """p_j = sigmoid(bias_j + w_conf * logit(confidence_j) + w_recent * (logit(recent) - logit(prior_1))), fitted
-    online by logistic SGD on every labelled slot. Starts at the prior (w_conf = 0), with the call's running slot-1
-    acceptance shifting every slot alike until the fit says otherwise."""
+    """p_j = sigmoid(bias_j + w_conf * logit(confidence_j) + w_recent * (logit(recent) - logit(prior_1)) + w_vocab *
+    (draftable - 1)), fitted online by logistic SGD on every labelled slot.
+
+    recent: the call's running slot-1 acceptance; draftable: the share of the last committed tokens inside the
+    drafter's draft vocabulary (1 without one), a signal read before anything is spent: text in a script the draft
+    vocabulary lacks cannot be drafted. It starts at the prior (w_conf = 0), with both call-level features shifting
+    every slot alike until the fit says otherwise."""
 
     def __init__(self, prior: Sequence[float], learning_rate: float = _LEARNING_RATE) -> None:
         self.prior = list(prior)
         self.bias = [_logit(p) for p in prior]
-        self.w_confidence = 0.0
-        self.w_recent = 1.0
+        self.weights = [0.0, 1.0, 4.0]  # confidence, recent, draftable
         self.learning_rate = learning_rate
         self.observed = 0
 
@@ -193,27 +196,24 @@ class AcceptanceModel:
     def slots(self) -> int:
         return len(self.bias)
 
-    def _features(self, confidence: float, recent: float) -> tuple[float, float]:
-        return _logit(confidence), _logit(recent) - _logit(self.prior[0])
+    def _features(self, confidence: float, recent: float, draftable: float) -> tuple[float, float, float]:
+        return _logit(confidence), _logit(recent) - _logit(self.prior[0]), draftable - 1.0
 
-    def predict(self, confidence: Sequence[float], recent: float) -> list[float]:
+    def _p(self, slot: int, features: tuple[float, float, float]) -> float:
+        return _sigmoid(self.bias[slot] + sum(w * x for w, x in zip(self.weights, features)))
+
+    def predict(self, confidence: Sequence[float], recent: float, draftable: float = 1.0) -> list[float]:
         """Chain acceptance per slot for a block whose slots have these confidences."""
-        out = []
-        for slot, c in enumerate(confidence[: self.slots]):
-            x_conf, x_recent = self._features(c, recent)
-            out.append(_sigmoid(self.bias[slot] + self.w_confidence * x_conf + self.w_recent * x_recent))
-        return out
+        return [self._p(slot, self._features(c, recent, draftable)) for slot, c in enumerate(confidence[: self.slots])]
 
-    def observe(self, confidence: Sequence[float], recent: float, labels: Sequence[bool]) -> None:
+    def observe(self, confidence: Sequence[float], recent: float, labels: Sequence[bool], draftable: float = 1.0) -> None:
         """One block's labelled slots: labels[j] whether slot j was right, for the slots every earlier one of which
         was right (the chain's condition), in order."""
         for slot, (c, label) in enumerate(zip(confidence[: self.slots], labels)):
-            x_conf, x_recent = self._features(c, recent)
-            p = _sigmoid(self.bias[slot] + self.w_confidence * x_conf + self.w_recent * x_recent)
-            gradient = p - float(label)
+            features = self._features(c, recent, draftable)
+            gradient = self._p(slot, features) - float(label)
             self.bias[slot] -= self.learning_rate * gradient
-            self.w_confidence -= self.learning_rate * gradient * x_conf
-            self.w_recent -= self.learning_rate * gradient * x_recent
+            self.weights = [w - self.learning_rate * gradient * x for w, x in zip(self.weights, features)]
             self.observed += 1
 
 
@@ -275,19 +275,31 @@ class ProposalSchedule:
     def choose(self, predicted: Sequence[float], cap: int, floor: float, block: int) -> ProposalChoice:
         """The k in [1, cap] of most expected tokens per second, cut before the first slot predicted below `floor`
         (transformers' `assistant_confidence_threshold`); a cycle that drafted proposes at least one token."""
-        expected, survival = [1.0], 1.0
-        for p in predicted[:cap]:
-            if p < floor and len(expected) > 1:
-                break
-            survival *= p
-            expected.append(expected[-1] + survival)
+        return self.choose_batch([predicted], cap, floor, block)
+
+    def choose_batch(self, predicted: Sequence[Sequence[float]], cap: int, floor: float, block: int) -> ProposalChoice:
+        """`choose` for one k shared by the rows of a batch (one verify forward of k + 1 columns): the k of most
+        expected tokens, summed over the rows, per second; `expected` and `gain` are per row."""
+        totals = [float(len(predicted))]
+        for row in predicted:
+            survival = 1.0
+            for k, p in enumerate(row[:cap], start=1):
+                if p < floor and k > 1:
+                    break
+                survival *= p
+                if k == len(totals):
+                    totals.append(float(len(predicted)))
+                totals[k] += survival
+        for k in range(2, len(totals)):  # expected tokens at k include those of every shorter proposal
+            totals[k] += totals[k - 1] - len(predicted)
+        rows = max(len(predicted), 1)
         if self.costs is None:
-            k = len(expected) - 1
-            return ProposalChoice(k, expected[k], 1.0)
+            k = len(totals) - 1
+            return ProposalChoice(k, totals[k] / rows, 1.0)
         loop = self.loop_seconds
-        rates = [expected[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(expected))]
+        rates = [totals[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(totals))]
         k = 1 + max(range(len(rates)), key=rates.__getitem__)
-        return ProposalChoice(k, expected[k], rates[k - 1] * (self.costs.plain + loop))
+        return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + loop) / rows)
 
     def observe_loop(self, seconds: float) -> None:
         """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0)."""
@@ -304,6 +316,13 @@ def next_plain_run(gain: float, previous_run: int) -> int:
     return min(max(1, 2 * previous_run), MAX_PLAIN_RUN)
 
 
+def draftable_share(tokens: Sequence[int], draft_vocabulary: frozenset[int] | None) -> float:
+    """The share of `tokens` a drafter with this draft vocabulary could propose (1.0 without one)."""
+    if draft_vocabulary is None or not tokens:
+        return 1.0
+    return sum(token in draft_vocabulary for token in tokens) / len(tokens)
+
+
 def update_recent(recent: float, accepted_first_slot: bool) -> float:
     """A call's running slot-1 acceptance, after one more drafted block."""
     return (1 - _RECENT_DECAY) * recent + _RECENT_DECAY * float(accepted_first_slot)
@@ -311,6 +330,6 @@ def update_recent(recent: float, accepted_first_slot: bool) -> float:
 
 __all__ = [
     "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "ProposalChoice", "ProposalSchedule",
-    "chain_labels", "chain_prior", "check_schedule", "isotonic", "next_plain_run", "slot_confidence",
+    "chain_labels", "chain_prior", "check_schedule", "draftable_share", "isotonic", "next_plain_run", "slot_confidence",
     "update_recent",
 ]

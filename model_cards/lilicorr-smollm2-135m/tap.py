@@ -10,10 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-<<<<<<< HEAD
 from collections.abc import Callable
-=======
->>>>>>> issue-45b
 from dataclasses import dataclass
 from functools import partial
 from typing import Any

@@ -163,7 +163,7 @@ def tune(
     key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
     layouts = on_cpu and few_rows_linear
-    cached = None if refresh else _read(path, max_rows if layouts else None, choices)
+    cached = None if refresh else _read(path, max_rows if layouts else None, blocks)
     tuning.cache_file, tuning.from_cache = path, cached is not None
     cached = cached or {}
 
@@ -171,7 +171,8 @@ def tune(
         tuning.target_layout = _lay_out(target, max_rows, cached.get("target_layout"))
         tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
     # After the layouts: the costs are those of the forwards as they will run.
-    tuning.costs = _cycle_costs(cached.get("cycle_costs")) or measure_cycle_costs(
+    cached_costs = cached.get("cycle_costs")  # checked by _read
+    tuning.costs = CycleCosts.from_dict(cached_costs) if cached_costs else measure_cycle_costs(
         target, drafter, blocks, max_rows=max(blocks)
     )
     if choices and not cost_aware:
@@ -219,24 +220,6 @@ def _lay_out(model: nn.Module, max_rows: int, cached: dict[str, str] | None) -> 
     return use_few_rows_linear(model, max_rows=max_rows)
 
 
-def _cycle_costs(cached: Any) -> CycleCosts | None:
-    if cached is None:
-        return None
-    try:
-        return CycleCosts.from_dict(cached)
-    except (TypeError, ValueError) as error:  # another shape: measure again
-        logger.warning("ignoring cached cycle costs of another shape (%s); measuring again", error)
-        return None
-<<<<<<< HEAD
-=======
-    return BlockSizeChoice(  # checked by _read
-        cached["block_size"],
-        {int(b): float(t) for b, t in cached["tau"].items()},
-        {int(b): float(s) for b, s in cached["cycle_seconds"].items()},
-    )
->>>>>>> issue-45b
-
-
 def _cache_key(target, drafter, device, max_rows, blocks, layouts, attention) -> str:
     """A hash of everything the measurements depend on: machine, software, thread count, both models, what is
     measured. The drafter's block_size is left out (tuning sets it); its decoding choices (block_tau, the walk) are
@@ -265,9 +248,10 @@ def _model_identity(model: PreTrainedModel) -> dict[str, Any]:
     return {"config": config, "dtype": str(model.dtype), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _read(path: Path | None, max_rows: int | None, choices: list[int]) -> dict[str, Any] | None:
+def _read(path: Path | None, max_rows: int | None, blocks: list[int]) -> dict[str, Any] | None:
     """The cached measurements in `path`, or None (measure again) when there are none or they are not exactly what
-    this tuning would measure: `max_rows` the few-rows plans must cover (None: no plans), `choices` the block sizes."""
+    this tuning would measure: `max_rows` the few-rows plans must cover (None: no plans), `blocks` the drafted
+    block sizes the cycle costs must cover."""
     if path is None or not path.is_file():
         return None
     try:
@@ -275,14 +259,14 @@ def _read(path: Path | None, max_rows: int | None, choices: list[int]) -> dict[s
     except (OSError, ValueError) as error:  # a torn or foreign file: measure again and overwrite it
         problem = f"unreadable: {error}"
     else:
-        problem = _cache_problem(data, max_rows, choices)
+        problem = _cache_problem(data, max_rows, blocks)
     if problem is None:
         return data
     logger.warning("ignoring the tuning cache %s (%s); measuring again", path, problem)
     return None
 
 
-def _cache_problem(data: Any, max_rows: int | None, choices: list[int]) -> str | None:
+def _cache_problem(data: Any, max_rows: int | None, blocks: list[int]) -> str | None:
     """What is wrong with a cache file's contents, or None. Everything a later step reads is checked here, bounds
     included, so that a hand-edited or foreign file is measured again instead of crashing attach (or generate)."""
     if not isinstance(data, dict):
@@ -293,8 +277,8 @@ def _cache_problem(data: Any, max_rows: int | None, choices: list[int]) -> str |
         problem = _plan_problem(data.get(name), max_rows)
         if problem is not None:
             return f"{name}: {problem}"
-    problem = _choice_problem(data.get("block_choice"), choices)
-    return None if problem is None else f"block_choice: {problem}"
+    problem = _costs_problem(data.get("cycle_costs"), blocks)
+    return None if problem is None else f"cycle_costs: {problem}"
 
 
 def _plan_problem(plan: Any, max_rows: int | None) -> str | None:
@@ -310,22 +294,14 @@ def _plan_problem(plan: Any, max_rows: int | None) -> str | None:
     return f"layouts {sorted(map(str, unknown))} not among {list(available_layouts())}" if unknown else None
 
 
-def _choice_problem(choice: Any, choices: list[int]) -> str | None:
-    """A block choice must cover exactly the candidate sizes, with a finite positive tau and cycle time each."""
-    if not choices:
-        return None  # not read
-    if not isinstance(choice, dict):
-        return f"expected an object, got {type(choice).__name__}"
-    size = choice.get("block_size")
-    if type(size) is not int or size not in choices:
-        return f"block_size {size!r} is not one of {choices}"
-    for name in ("tau", "cycle_seconds"):
-        values = choice.get(name)
-        if not isinstance(values, dict) or set(values) != {str(c) for c in choices}:
-            return f"{name} must map exactly the sizes {choices} to numbers"
-        bad = [v for v in values.values() if type(v) not in (int, float) or not 0 < v < math.inf]
-        if bad:
-            return f"{name} values must be finite and positive, got {bad[:3]}"
+def _costs_problem(costs: Any, blocks: list[int]) -> str | None:
+    """Cycle costs must have a finite positive time for a verify of 1..max(blocks) rows and a draft of each block."""
+    try:
+        parsed = CycleCosts.from_dict(costs)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    if parsed.max_rows != max(blocks) or sorted(parsed.draft) != blocks:
+        return f"cover {parsed.max_rows} rows and blocks {sorted(parsed.draft)}, expected {max(blocks)} and {blocks}"
     return None
 
 
