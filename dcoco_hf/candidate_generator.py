@@ -35,6 +35,7 @@ from .proposal import (
     COST_SCHEDULE,
     chain_labels,
     draftable_share,
+    fade_recent,
     next_plain_run,
     slot_confidence,
     update_recent,
@@ -114,6 +115,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._cycle_start: float | None = None  # when the previous get_candidates started
         self._drafted = 0  # cycles drafted in this call
         self._last_committed_tail: list[int] = []  # the newest committed tokens, read with a draft vocabulary
+        self._prompt_length: int | None = None  # of the call's prompt: its first draft's committed length
         self._plain_since_draft = 0  # plain steps the schedule took since the last draft
         on_forward = self._on_target_forward if self._driver is not None else None
         self.tap.listen(self, timed=self.timed, on_forward=on_forward)
@@ -140,8 +142,11 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         committed = input_ids[0]
         self._finish_cycle(committed)
         self._label_drafts(committed)
-        if self.draft_vocabulary is not None:
-            self._last_committed_tail = committed[-_DRAFTABLE_WINDOW:].tolist()
+        if self._prompt_length is None:
+            self._prompt_length = committed.shape[0]
+        if self.draft_vocabulary is not None:  # the answer's tokens only: a chat template's are never drafted
+            answer = committed[self._prompt_length :]
+            self._last_committed_tail = answer[-_DRAFTABLE_WINDOW:].tolist()
         context, positions = self._new_context(committed)
         length = committed.shape[0]
         block = self.drafter.config.block_size
@@ -197,6 +202,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.plain_left -= 1
             self._plain_since_draft += 1
             self.stats.observe_plain_steps()
+            self.recent = fade_recent(self.recent, self.schedule.acceptance.prior[0])
             driver = self.driver
             if not self.plain_left and driver is not None:
                 driver.num_assistant_tokens = self._driver_tokens

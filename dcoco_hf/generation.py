@@ -71,7 +71,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
 from .context_cache import DraftContextCache
-from .proposal import COST_SCHEDULE, next_plain_run, slot_confidence, update_recent
+from .proposal import COST_SCHEDULE, fade_recent, next_plain_run, slot_confidence, update_recent
 from .hf_compat import cache_kwargs, output_cache
 from .stats import DCOCOStats
 
@@ -271,7 +271,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
             ctx, ctx_mask, ctx_pos = ctx[keep], ctx_mask[keep], ctx_pos[keep]
 
         if plan.plain_left:  # a plain step for every row: no draft, the anchor alone
-            plan.plain_left -= 1
+            plan.take_plain_step()
             proposal, drafts = None, anchor[:, None][:, :0]  # [b, 0]
         else:  # one drafter forward per cycle for all active rows
             block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
@@ -593,6 +593,11 @@ class _BatchPlan:
         self.plain_run = self.plain_left = 0
         self._drafted: tuple[list[list[float]], list[list[float]]] | None = None  # (confidence, recent) per row
         self._gain = 1.0
+
+    def take_plain_step(self) -> None:
+        self.plain_left -= 1
+        prior = self.schedule.acceptance.prior[0]
+        self.recent = [fade_recent(recent, prior) for recent in self.recent]
 
     def proposal_length(self, proposal: DraftProposal, row_ids: list[int]) -> int:
         if self.schedule is None:

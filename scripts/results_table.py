@@ -89,8 +89,7 @@ def bench_rows(link: bool = True) -> list[str]:
 def table(link: bool = True) -> str:
     lines = [
         "Through the public API alone (`from_pretrained`, default `attach`, `generate`; greedy, 128 new tokens, plain",
-        "`generate()` and the drafter back to back per prompt, `python scripts/api_bench.py`; the commands are in",
-        f"docs/results.md) on {machines()}:",
+        f"`generate()` and the drafter back to back per prompt, `scripts/api_bench.py`, docs/results.md) on {machines()}:",
         "",
         "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
         "| --- | --- | --- | --- | --- |",

@@ -300,3 +300,25 @@ def test_batched_loop_is_exact_under_the_cost_aware_schedule(fitted, costs, monk
 
 def _padded(values, width):
     return list(values) + [0] * (width - len(values))
+
+
+def test_plain_steps_leave_no_hole_in_the_drafters_context(fitted, monkeypatch):
+    """After the longest plain run, the next draft reads every committed row: the drafter cache holds one row per
+    position, with no gap where the plain steps were."""
+    target, drafter = fitted
+    monkeypatch.setattr(candidate_generator, "next_plain_run", lambda gain, run: MAX_PLAIN_RUN)
+    seen = []
+    original = candidate_generator.DCOCOCandidateGenerator._new_context
+
+    def recording(self, committed):
+        context, positions = original(self, committed)
+        seen.append((self.cache.get_seq_length(), positions.tolist(), committed.shape[0]))
+        return context, positions
+
+    monkeypatch.setattr(candidate_generator.DCOCOCandidateGenerator, "_new_context", recording)
+    with schedule(drafter, costs=CPU_LIKE):
+        _greedy_cases(target, drafter, [70], max_new_tokens=60)
+    assert len(seen) >= 3
+    for cached, positions, length in seen[1:]:
+        # the new rows continue the cached ones without a gap, up to just before the anchor
+        assert positions == list(range(cached, length - 1)), (cached, positions, length)

@@ -37,8 +37,11 @@ import torch
 # The schedules `num_assistant_tokens_schedule` may name (the drafter's generation config).
 COST_SCHEDULE = "cost"
 SCHEDULES = (COST_SCHEDULE, "constant", "heuristic", "heuristic_transient")
-MAX_PLAIN_RUN = 16  # longest run of plain steps between two drafts that probe whether drafting pays again
+# Longest run of plain steps between two drafts that probe whether drafting pays again (the target tap keeps the
+# states of that many forwards for the next draft's context: tap.TargetTap's max_pending).
+MAX_PLAIN_RUN = 16
 _RECENT_DECAY = 0.25  # weight of the newest slot-1 outcome in a call's running acceptance
+_RECENT_FADE = 0.05  # per plain step, the share of the way the running acceptance drifts back to the prior
 _LEARNING_RATE = 0.05
 _EPS = 1e-3
 
@@ -328,8 +331,15 @@ def update_recent(recent: float, accepted_first_slot: bool) -> float:
     return (1 - _RECENT_DECAY) * recent + _RECENT_DECAY * float(accepted_first_slot)
 
 
+def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
+    """The running acceptance after `steps` plain steps: what failed drafts taught fades as the text moves on, so a
+    call that left a passage the drafter could not guess drafts again (no plain run is taught by a draft)."""
+    keep = (1 - _RECENT_FADE) ** steps
+    return keep * recent + (1 - keep) * prior
+
+
 __all__ = [
     "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "ProposalChoice", "ProposalSchedule",
-    "chain_labels", "chain_prior", "check_schedule", "draftable_share", "isotonic", "next_plain_run", "slot_confidence",
-    "update_recent",
+    "chain_labels", "chain_prior", "check_schedule", "draftable_share", "fade_recent", "isotonic", "next_plain_run",
+    "slot_confidence", "update_recent",
 ]
