@@ -110,13 +110,28 @@ START, END = "<!-- results table: python scripts/results_table.py --write -->", 
 DOCS = {ROOT / "README.md": True, ROOT / "model_cards" / "dcoco-smollm2-135m" / "README.md": False}  # links?
 
 
+RESULTS_DOC = ROOT / "docs" / "results.md"  # the public-API table alone, linked from docs/
+
+
+def api_table() -> str:
+    header = ["| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
+              "| --- | --- | --- | --- | --- |"]
+    return "\n".join(header + [row.replace(f"]({RESULTS}/", "](results/") for row in api_rows(True)])
+
+
 def write() -> None:
-    """Replace the table between START and END in each doc: with links in the README, file paths in the card."""
+    """Replace the table between START and END in each doc: with links in the README, file paths in the card; and
+    the public-API table in docs/results.md."""
     for doc, link in DOCS.items():
-        text = doc.read_text()
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
-        doc.write_text(f"{before}{START}\n{table(link)}\n{END}{after}")
+        _replace(doc, table(link))
+    _replace(RESULTS_DOC, api_table())
+
+
+def _replace(doc: Path, rendered: str) -> None:
+    text = doc.read_text()
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    doc.write_text(f"{before}{START}\n{rendered}\n{END}{after}")
 
 
 if __name__ == "__main__":

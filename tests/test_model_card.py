@@ -68,12 +68,17 @@ def test_results_tables_are_their_json_files():
     for doc, link in _RESULTS["DOCS"].items():
         shown = doc.read_text().split(_RESULTS["START"], 1)[1].split(_RESULTS["END"], 1)[0].strip()
         assert shown == _RESULTS["table"](link), f"{doc}: run python scripts/results_table.py --write"
+    results = _RESULTS["RESULTS_DOC"]
+    shown = results.read_text().split(_RESULTS["START"], 1)[1].split(_RESULTS["END"], 1)[0].strip()
+    assert shown == _RESULTS["api_table"](), f"{results}: run python scripts/results_table.py --write"
 
 
 def test_results_runs_kept_every_output_identical():
-    for file in ("api_mixed_heldout.json", "api_humaneval.json"):
+    for file in ("api_mixed_heldout.json", "api_humaneval.json", "api_hard_to_draft.json", "api_mtbench.json"):
         report = json.loads((ROOT / "docs" / "results" / file).read_text())
         assert report["totals"]["identical"] == len(report["records"]) > 0, file
+        for run in report.get("runs", []):  # every fresh process of a repeated run
+            assert run["totals"]["identical"] == len(run["records"]), file
     bench = json.loads((ROOT / "docs" / "results" / "bench_dflash_vs_dcoco.json").read_text())
     for suite in bench["suites"].values():
         assert suite["dflash"]["equal_to_vanilla"] == suite["dcoco"]["equal_to_vanilla"] == 1.0
