@@ -53,6 +53,7 @@ from dcoco_hf.assets import left_pad  # noqa: E402
 from dcoco_hf.block_choice import set_block_size  # noqa: E402
 from dcoco_hf.context_cache import DraftContextCache  # noqa: E402
 from dcoco_hf.device import device_sync  # noqa: E402
+from dcoco_hf.hf_compat import ASSISTED_STATIC_CACHE, assisted_static_cache  # noqa: E402
 from dcoco_hf.training import fit_on_own_answers  # noqa: E402
 from gpu_batched_bench import CORRECTORS, QWEN3_8B, TINY  # noqa: E402  (scripts/ is on the path: this script's folder)
 
@@ -376,6 +377,10 @@ def batched_check(device: torch.device, sizes: Sizes) -> dict:
 
 def static_cache_check(device: torch.device, sizes: Sizes) -> dict:
     """Assisted generate() with `cache_implementation="static"` against plain generate() with the same cache."""
+    if not assisted_static_cache():
+        return {"status": "skipped", "ok": True,
+                "reason": f"skipped: transformers {transformers.__version__} runs assisted generation on a dynamic cache only "
+                          f"(static from {ASSISTED_STATIC_CACHE})"}
     target, drafter = tiny_pair(sizes.archs[-1], device, torch.float32, "sdpa", sizes)
     identical = 0
     prompts = random_prompts(3, target.config.vocab_size, device, seed=4)

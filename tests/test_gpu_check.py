@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dcoco_hf.hf_compat import assisted_static_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,7 +28,9 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert all(case["status"] == "ok" and case["ok"] for case in exactness["greedy"])
     assert any(case["tau"] > 1 for case in exactness["greedy"])  # drafts were accepted: the acceptance path ran
     for check in ("sampling", "stopping", "batched", "static_cache"):
-        assert exactness[check]["status"] == "ok" and exactness[check]["ok"], (check, exactness[check])
+        # transformers before 5.24 refuses a static cache in assisted generation: skipped there, with the reason
+        status = "ok" if check != "static_cache" or assisted_static_cache() else "skipped"
+        assert exactness[check]["status"] == status and exactness[check]["ok"], (check, exactness[check])
     assert "flash_attention_2" in exactness["attention_skipped"]
     assert report["shipped"]["rows"] and report["shipped"]["rows"][0]["projected_ratio"] > 0
     modes = {row["mode"] for row in report["costs"]["rows"]}

@@ -103,7 +103,7 @@ def test_acceptance_fit_learns_what_the_prior_does_not_know():
     # A call whose drafts keep failing lowers every slot's prediction, and so does text the draft vocabulary lacks.
     assert model.predict([0.95, 0.95], recent=0.05)[0] < sure[0]
     fresh = AcceptanceModel([0.5, 0.5])
-    assert fresh.predict([0.9], recent=0.5, draftable=0.25)[0] < 0.1 < fresh.predict([0.9], recent=0.5)[0]
+    assert fresh.predict([0.9], recent=0.5, draftable=0.25)[0] < 0.5 * fresh.predict([0.9], recent=0.5)[0]
 
 
 def test_draftable_share_reads_the_draft_vocabulary():

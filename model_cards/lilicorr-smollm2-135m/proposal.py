@@ -191,7 +191,7 @@ class AcceptanceModel:
     def __init__(self, prior: Sequence[float], learning_rate: float = _LEARNING_RATE) -> None:
         self.prior = list(prior)
         self.bias = [_logit(p) for p in prior]
-        self.weights = [0.0, 1.0, 4.0]  # confidence, recent, draftable
+        self.weights = [0.0, 1.0, 2.0]  # confidence, recent, draftable
         self.learning_rate = learning_rate
         self.observed = 0
 
