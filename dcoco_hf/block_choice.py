@@ -24,6 +24,7 @@ shorter blocks.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -141,10 +142,8 @@ def measure_cycle_costs(
     states = torch.randn(1, context_length + new_rows, width, generator=generator).to(device, drafter.dtype)
     positions = torch.arange(context_length + new_rows + longest, device=device)[None]
 
-    target_cache = DynamicCache(config=target.config)
-    if hasattr(target_cache, "activate_past_recording"):  # sliding-window layers then crop back like full ones
-        target_cache.activate_past_recording()
-    target(input_ids=ids[:, :context_length], **cache_kwargs(target_cache), use_cache=True, logits_to_keep=1)
+    context_cache = DynamicCache(config=target.config)
+    target(input_ids=ids[:, :context_length], **cache_kwargs(context_cache), use_cache=True, logits_to_keep=1)
     draft_cache = DraftContextCache()
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows
         block = positions[:, context_length : context_length + min(block_sizes)]
@@ -152,14 +151,15 @@ def measure_cycle_costs(
                         draft_cache, context_ids=ids[:, :context_length])
 
     def verify(rows: int) -> float:
+        # A copy of the context's cache per forward: cropping it back would not undo a sliding-window layer's
+        # shift on every transformers release.
+        target_cache = copy.deepcopy(context_cache)
         sync()
         start = time.perf_counter()
         target(input_ids=ids[:, context_length : context_length + rows], **cache_kwargs(target_cache), use_cache=True,
                logits_to_keep=rows)
         sync()
-        seconds = time.perf_counter() - start
-        target_cache.crop(-rows)  # transformers 5 crops by the count removed
-        return seconds
+        return time.perf_counter() - start
 
     def draft(block_size: int) -> float:
         sync()
