@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -31,6 +33,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .context_cache import DraftContextCache
+from .hf_compat import assisted_loop_cuts_at_eos
 from .proposal import (
     COST_SCHEDULE,
     chain_labels,
@@ -40,7 +43,6 @@ from .proposal import (
     slot_confidence,
     update_recent,
 )
-from .hf_compat import assisted_loop_cuts_at_eos
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
@@ -212,11 +214,14 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         up to the first wrong one, proposed or not (`chain_labels`)."""
         if not self._unlabelled:
             return
-        known = committed.tolist()
+        # Only the positions the waiting blocks cover cross to the host, not the whole sequence every cycle.
+        start = min(entry[0] for entry in self._unlabelled)
+        end = max(entry[0] + len(entry[1]) for entry in self._unlabelled)
+        known = committed[start:end].tolist()
         waiting = []
         for entry in self._unlabelled:
             length, proposed, confidence, predicted, recent, draftable = entry
-            labels = chain_labels(proposed, known[length : length + len(proposed)])
+            labels = chain_labels(proposed, known[length - start : length - start + len(proposed)])
             if not final and len(labels) < len(proposed) and all(labels):
                 waiting.append(entry)  # every slot so far right: the next ones are not committed yet
                 continue
@@ -440,14 +445,12 @@ def assisted_loop_scores(max_depth: int = 8) -> tuple[torch.Tensor, ...] | None:
 def _assisted_decoding_local(name: str, max_depth: int) -> Any:
     """A local of the `_assisted_decoding` frame a few frames up the stack, or None (see
     `assisted_stopping_criteria`)."""
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "_assisted_decoding":
-            return frame.f_locals.get(name)
-        frame = frame.f_back
-    return None
+
+    def local(frame: FrameType) -> tuple[Any] | None:  # found: the first such frame's local, None or not
+        return (frame.f_locals.get(name),) if frame.f_code.co_name == "_assisted_decoding" else None
+
+    found = _up_the_stack(sys._getframe(2), max_depth, local)
+    return None if found is None else found[0]
 
 
 def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
@@ -458,13 +461,25 @@ def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
     may not return an empty proposal. It is the caller a few frames up the stack; when transformers changes that
     layout the cost-aware schedule proposes at least one token every cycle instead (still lossless).
     """
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
+
+    def driver(frame: FrameType) -> AssistedCandidateGenerator | None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, AssistedCandidateGenerator) and isinstance(owner.num_assistant_tokens, int | float):
             return owner
+        return None
+
+    return _up_the_stack(sys._getframe(1), max_depth, driver)
+
+
+def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[FrameType], Any]) -> Any:
+    """The first `read(frame)` that is not None, from `frame` up at most `max_depth` frames; else None. The one
+    place that reads transformers' internals off the call stack."""
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        value = read(frame)
+        if value is not None:
+            return value
         frame = frame.f_back
     return None
 
