@@ -426,6 +426,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         "drafter_seconds": None,
         "corrector_seconds": None,
         "proposal_lengths": None,
+        "drafted_blocks": None,
         "predicted_accept": None,
         "observed_accept": None,
         "seconds_saved": None,
@@ -438,7 +439,7 @@ def summarise_method(records: list[RunRecord], vanilla_rate: float | None) -> di
         summary.update(
             {key: totals[key] for key in (
                 "coverage_top1", "coverage_topk", "argmax_prefix_tau", "topk_ceiling_tau", "walk_ceiling_tau",
-                "proposal_lengths", "predicted_accept", "observed_accept", "seconds_saved")},
+                "proposal_lengths", "drafted_blocks", "predicted_accept", "observed_accept", "seconds_saved")},
             corrector_share=merged.corrector_seconds / seconds if seconds > 0 else None,
             # the same share of the cycles alone: the prompt's prefill, paid once per call, left out
             cycle_share=merged.corrector_seconds / (seconds - merged.prefill_seconds) if seconds > 0 else None,
@@ -510,11 +511,15 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str) -> str:
 
 def format_proposals(method: str, summary: dict[str, Any]) -> str | None:
     """What the proposal schedule did for one drafter method: cycles per proposal length (0: a plain step instead
-    of a draft), predicted against observed chain acceptance per slot, and the time saved against plain steps."""
+    of a draft), drafts per block size, predicted against observed chain acceptance per slot, and the time saved
+    against plain steps."""
     lengths = summary.get("proposal_lengths")
     if not lengths:
         return None
     line = f"{method}: cycles per proposal length {{{', '.join(f'{k}: {n}' for k, n in lengths.items())}}}"
+    blocks = summary.get("drafted_blocks")
+    if blocks:
+        line += f"; drafts per block size {{{', '.join(f'{b}: {n}' for b, n in blocks.items())}}}"
     pairs = [(p, o) for p, o in zip(summary["predicted_accept"] or [], summary["observed_accept"] or [])
              if p is not None and o is not None]
     if pairs:

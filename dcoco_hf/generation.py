@@ -274,7 +274,8 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
             plan.take_plain_step()
             proposal, drafts = None, anchor[:, None][:, :0]  # [b, 0]
         else:  # one drafter forward per cycle for all active rows
-            block_pos = anchor_pos[:, None] + offsets  # [b, S + 1]
+            drafted = plan.block_to_draft(row_ids)  # anchor + slots
+            block_pos = anchor_pos[:, None] + offsets[:drafted]  # [b, drafted]
             # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes
             # its unmasked path; else it gets the full mask, which it uses without first reading it for a masked key
             # (a sync, as for a key mask).
@@ -282,13 +283,14 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
                 draft_mask = None
             else:
                 draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
-                draft_mask = draft_mask[:, None, None, :].expand(-1, 1, slots + 1, -1)  # [b, 1, S + 1, ...]
+                draft_mask = draft_mask[:, None, None, :].expand(-1, 1, drafted, -1)  # [b, 1, drafted, ...]
             context_ids, context_valid = (
                 _committed(out, prompt_valid, written, rows) if drafter.config.context_bigrams else (None, None)
             )
             proposal = drafter.propose(
                 anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection,
                 correct=correct, context_ids=context_ids, context_valid=context_valid, timed=tap.timed,
+                block_size=drafted,
             )
             dmask = torch.cat([dmask, ctx_mask], dim=1)  # [b, cached + N]
             drafts = proposal.tokens[:, : plan.proposal_length(proposal, row_ids)]  # [b, k]
@@ -569,6 +571,7 @@ def _book(stats, row_ids: list[int], proposal, accepted, new, proposed: int) -> 
             row_stats.committed_tokens += committed
             continue
         row_stats.observe_draft(proposed, count, committed)
+        row_stats.observe_drafted_block(proposal.tokens.shape[1] + 1)
         row_stats.drafter_seconds += proposal.backbone_seconds
         row_stats.corrector_seconds += proposal.corrector_seconds
 
@@ -576,8 +579,8 @@ def _book(stats, row_ids: list[int], proposal, accepted, new, proposed: int) -> 
 class _BatchPlan:
     """The proposal length of each batched cycle: one k for every active row (one verify forward of k + 1 columns).
 
-    Under the cost-aware schedule (`proposal.py`), k is the length of most expected tokens per second summed over
-    the rows, and a cycle whose best proposal does not beat a plain step makes the next cycles plain steps, as on
+    Under the cost-aware schedule (`proposal.py`), each cycle drafts the block that pays most for typical drafts,
+    k is the length of most expected tokens per second summed over the rows, and a cycle whose best proposal does not beat a plain step makes the next cycles plain steps, as on
     the assisted path. The fit learns from the proposed slots (the batched loop does not keep the unproposed
     ones), and reading the confidences costs one more host sync per drafted cycle. Other schedules propose every
     slot, up to `num_assistant_tokens`."""
@@ -599,15 +602,28 @@ class _BatchPlan:
         prior = self.schedule.acceptance.prior[0]
         self.recent = [fade_recent(recent, prior) for recent in self.recent]
 
-    def proposal_length(self, proposal: DraftProposal, row_ids: list[int]) -> int:
+    def block_to_draft(self, row_ids: list[int]) -> int:
+        """The block every row drafts this cycle: the configured one, or under the cost-aware schedule the one whose
+        best proposal pays most for a typical draft of a row of typical running acceptance."""
         if self.schedule is None:
-            return self.cap
+            return self.block
+        acceptance = self.schedule.acceptance
+        recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
+        return self.schedule.choose_block(acceptance.predict(acceptance.typical(), recent), self.cap, self.floor)
+
+    def proposal_length(self, proposal: DraftProposal, row_ids: list[int]) -> int:
+        drafted = proposal.tokens.shape[1]
+        if self.schedule is None:
+            return min(self.cap, drafted)
         confidence = slot_confidence(
             proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
         ).tolist()  # [b][S]
         recent = [self.recent[row] for row in row_ids]
-        predicted = [self.schedule.acceptance.predict(c, r) for c, r in zip(confidence, recent)]
-        choice = self.schedule.choose_batch(predicted, self.cap, self.floor, self.block)
+        acceptance = self.schedule.acceptance
+        predicted = [acceptance.predict(c, r) for c, r in zip(confidence, recent)]
+        choice = self.schedule.choose_batch(predicted, min(self.cap, drafted), self.floor, drafted + 1)
+        for row in confidence:
+            acceptance.note_drafted(row)
         self._drafted, self._gain = (confidence, recent), choice.gain
         return choice.k
 

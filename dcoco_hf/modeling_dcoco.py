@@ -587,6 +587,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         context_ids: torch.LongTensor | None = None,
         context_valid: torch.BoolTensor | None = None,
         timed: bool = False,
+        block_size: int | None = None,
     ) -> DraftProposal:
         """Draft one block per row and correct it.
 
@@ -603,11 +604,14 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
             timed: wait for the device before reading the clock, so the phase times are exact on a GPU (on CPU they
                 are exact either way); without it nothing here waits for the device.
+            block_size: the block to draft (anchor + slots), at most `config.largest_block_size`; default
+                `config.block_size`. The cost-aware schedule drafts a block per cycle.
         """
         cfg = self.config
+        block_size = block_size or cfg.block_size
         sync = device_sync(anchor_ids.device, timed)
         start = time.perf_counter()
-        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], cfg.block_size - 1), cfg.mask_token_id)
+        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), cfg.mask_token_id)
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
         kept = cache.get_seq_length() + context_hidden_states.shape[1]
         out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
@@ -623,7 +627,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         decoding = self.decoding
         selection = selection or decoding.selection
         lilicorr = cfg.corrector_type == "lilicorr"
-        if correct and (lilicorr or cfg.block_size > 2 or cfg.correct_first_slot):
+        if correct and (lilicorr or block_size > 2 or cfg.correct_first_slot):
             first_scores, scores = self.score_candidates(
                 block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
                 anchor=self.anchor_rows(out.context_states, position_ids) if lilicorr else None,

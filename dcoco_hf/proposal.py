@@ -6,7 +6,7 @@ many tokens that forward may commit. Each cycle the cost-aware schedule proposes
 tokens per second:
 
     E[committed | k] = 1 + sum_{i <= k} prod_{j <= i} p_j     (prefix-first: verification stops at the first error)
-    T(k)             = draft + verify(k + 1) + loop           T(0) = verify(1) + loop: a plain step
+    T(k, B)          = draft(B) + verify(k + 1) + loop        T(0) = verify(1) + loop: a plain step
 
 p_j is the chance that slot j is accepted given that every slot before it was (the chain acceptance of DScout and of
 the DCOCO paper's prefix-first analysis). It is predicted per slot from the slot's confidence, the probability the
@@ -14,6 +14,11 @@ walk's own scores give the chosen candidate (the corrector's transition scores w
 logits), and from how well drafts fared in the call so far; an online logistic fit calibrates it from what the
 target committed, every drafted slot counted (a slot that was not proposed is labelled by whether the committed token
 there equals it), starting from the drafter's `block_tau` (tau per block size implies the chain acceptance).
+
+The drafted block B is chosen before each draft, the same way: a draft of fewer slots is cheaper (on a CPU a block of
+8 costs about twice a block of 2), so each cycle drafts the B whose best proposal is expected to commit the most
+tokens per second, predicted from each slot's typical confidence in recent drafts (`AcceptanceModel.typical`).
+Chat, whose drafts rarely survive past the second slot, then drafts short blocks; code drafts long ones.
 
 The costs come from `CycleCosts`, timed when the drafter is attached (`block_choice.measure_cycle_costs`): robust to a
 noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine. A cycle whose best proposal
@@ -43,6 +48,7 @@ MAX_PLAIN_RUN = 16
 _RECENT_DECAY = 0.25  # weight of the newest slot-1 outcome in a call's running acceptance
 _RECENT_FADE = 0.05  # per plain step, the share of the way the running acceptance drifts back to the prior
 _LEARNING_RATE = 0.05
+_TYPICAL_DECAY = 0.2  # weight of the newest draft in a slot's typical confidence
 _EPS = 1e-3
 
 
@@ -194,6 +200,7 @@ class AcceptanceModel:
         self.weights = [0.0, 1.0, 2.0]  # confidence, recent, draftable
         self.learning_rate = learning_rate
         self.observed = 0
+        self._typical_logit: list[float | None] = [None] * len(prior)  # per slot, recent drafts' mean confidence
 
     @property
     def slots(self) -> int:
@@ -208,6 +215,22 @@ class AcceptanceModel:
     def predict(self, confidence: Sequence[float], recent: float, draftable: float = 1.0) -> list[float]:
         """Chain acceptance per slot for a block whose slots have these confidences."""
         return [self._p(slot, self._features(c, recent, draftable)) for slot, c in enumerate(confidence[: self.slots])]
+
+    def note_drafted(self, confidence: Sequence[float]) -> None:
+        """One drafted block's slot confidences, for `typical`: a running mean of their logits per slot."""
+        for slot, c in enumerate(confidence[: self.slots]):
+            known = self._typical_logit[slot]
+            x = _logit(c)
+            self._typical_logit[slot] = x if known is None else (1 - _TYPICAL_DECAY) * known + _TYPICAL_DECAY * x
+
+    def typical(self) -> list[float]:
+        """Per slot, the confidence of a typical recent draft: a slot never drafted takes the nearest shallower
+        slot's (0.5 before any draft)."""
+        typical, last = [], 0.0
+        for known in self._typical_logit:
+            last = known if known is not None else last
+            typical.append(_sigmoid(last))
+        return typical
 
     def observe(self, confidence: Sequence[float], recent: float, labels: Sequence[bool], draftable: float = 1.0) -> None:
         """One block's labelled slots: labels[j] whether slot j was right, for the slots every earlier one of which
@@ -303,6 +326,16 @@ class ProposalSchedule:
         rates = [totals[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(totals))]
         k = 1 + max(range(len(rates)), key=rates.__getitem__)
         return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + loop) / rows)
+
+    def choose_block(self, predicted: Sequence[float], cap: int, floor: float) -> int:
+        """The block to draft next: the timed block size whose best proposal (`choose`, on acceptance `predicted`
+        for a typical draft) is expected to commit the most tokens per second; the smaller on a tie. At most
+        cap + 1 (the anchor and `cap` slots); the largest timed block without costs."""
+        if self.costs is None:
+            return max(2, min(cap + 1, len(predicted) + 1))
+        sizes = [b for b in sorted(self.costs.draft) if b - 1 <= min(cap, len(predicted))] or [min(self.costs.draft)]
+        gains = [self.choose(predicted[: b - 1], min(cap, b - 1), floor, b).gain for b in sizes]
+        return sizes[max(range(len(sizes)), key=lambda i: (gains[i], -i))]
 
     def observe_loop(self, seconds: float) -> None:
         """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0)."""

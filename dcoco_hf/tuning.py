@@ -147,8 +147,9 @@ def tune(
     choices = candidate_block_sizes(drafter) if auto and drafter.decoding.block_tau is not None else []
     if not auto:
         set_block_size(drafter, int(block_size))
-    elif cost_aware:  # draft the largest block; each cycle proposes the share of it that pays
+    elif cost_aware:  # up to the largest block; each cycle drafts the block, and proposes the share of it, that pays
         set_block_size(drafter, drafter.config.largest_block_size)
+        choices = choices or draft_sizes(drafter.config.largest_block_size)
     blocks = sorted({drafter.config.block_size, *choices, *extra_block_sizes})
     on_cpu = device.type == "cpu"
     max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
@@ -182,6 +183,12 @@ def tune(
     if path is not None and not tuning.from_cache:
         _write(path, tuning)
     return tuning
+
+
+def draft_sizes(largest: int) -> list[int]:
+    """Blocks the cost-aware schedule may draft when no tau per block size was measured: 2, 4, 8, ... and `largest`
+    (timing every size of a 16-block drafter would lengthen attach for little)."""
+    return sorted({*(2**i for i in range(1, largest.bit_length()) if 2**i <= largest), largest})
 
 
 def untune(target: PreTrainedModel, drafter: DCOCODrafter | None, tuning: Tuning) -> None:

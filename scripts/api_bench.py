@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf.assets import default_target_path, load_prompts_file, suite_prompts
+from dcoco_hf.proposal import SCHEDULES
 from dcoco_hf.tuning import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None,
                         help="attach(target, block_size=B) instead of the block attach chooses for this machine")
+    parser.add_argument("--schedule", default=None, choices=SCHEDULES,
+                        help="the drafter's num_assistant_tokens_schedule (default: its generation config's, 'cost')")
     parser.add_argument("--json", default=None, help="write per-prompt records and the totals here")
     parser.add_argument("--processes", type=int, default=1,
                         help="repeat the whole run in N fresh processes, each with an empty tuning cache")
@@ -71,7 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
     target = AutoModelForCausalLM.from_pretrained(target_path).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     options = {} if args.block_size is None else {"block_size": args.block_size}
-    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True).attach(target, **options)
+    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True)
+    if args.schedule is not None:
+        drafter.generation_config.num_assistant_tokens_schedule = args.schedule
+    drafter.attach(target, **options)
 
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     records = []
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "prompt": prompt, "plain_tokens": new, "plain_seconds": plain_s, "drafter_tokens": fast_new,
                 "drafter_seconds": fast_s, "target_forwards": stats.target_forwards,
                 "corrector_seconds": stats.corrector_seconds, "identical": torch.equal(plain, fast),
-                "proposal_lengths": stats.proposal_lengths, "seconds_saved": stats.seconds_saved,
+                "proposal_lengths": stats.proposal_lengths, "drafted_blocks": stats.drafted_blocks,
+                "seconds_saved": stats.seconds_saved,
             })
             print(f"[{index}/{len(prompts)}] tau {fast_new / stats.target_forwards:.2f}, plain {plain_s:.2f} s, "
                   f"drafter {fast_s:.2f} s, identical {records[-1]['identical']}", file=sys.stderr, flush=True)
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{totals['plain_tokens_per_s']:.1f} tok/s, drafter {totals['drafter_tokens_per_s']:.1f} tok/s | "
           f"corrector share {100 * totals['corrector_share']:.1f}% | identical {totals['identical']}/{len(records)}")
     print(f"cycles per proposal length (0 = plain step): {totals['proposal_lengths']}")
+    print(f"drafts per drafted block size: {totals['drafted_blocks']}")
     if args.json:
         report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(),
                   "tuning": drafter.tuning.summary() if drafter.tuning else None, "totals": totals,
@@ -170,11 +178,13 @@ def summarise(records: list[dict]) -> dict:
         "corrector_share": sum(r["corrector_seconds"] for r in records) / drafter_seconds,
         "identical": sum(r["identical"] for r in records),
         "proposal_lengths": _summed([r.get("proposal_lengths", []) for r in records]),
+        "drafted_blocks": _summed([r.get("drafted_blocks", []) for r in records]),
     }
 
 
 def _summed(counts: list[list[int]]) -> dict[str, int]:
-    """Cycles per proposal length over all prompts ({"0": plain steps, "1": ..., ...})."""
+    """Per-index counts summed over all prompts: cycles per proposal length ({"0": plain steps, "1": ...}), drafts
+    per block size."""
     width = max((len(c) for c in counts), default=0)
     totals = [sum(c[k] for c in counts if k < len(c)) for k in range(width)]
     return {str(k): n for k, n in enumerate(totals) if n}

@@ -21,6 +21,7 @@ from test_sampling import SETTINGS, speculative_samples
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import dcoco_hf.candidate_generator as candidate_generator
+from dcoco_hf import DCOCOStats
 from dcoco_hf.proposal import (
     MAX_PLAIN_RUN,
     AcceptanceModel,
@@ -125,6 +126,28 @@ def test_the_choice_trades_expected_tokens_against_cycle_costs():
     assert untuned.k == 5  # no costs known: every slot, like the constant schedule
 
 
+def test_the_drafted_block_is_the_one_that_pays_for_a_typical_draft():
+    steep = CycleCosts(verify=CPU_LIKE.verify, draft={2: 0.1, 4: 0.3, 8: 0.9})  # a longer draft costs more
+    plan = ProposalSchedule(steep, AcceptanceModel([0.5] * 7))
+    assert plan.choose_block([0.95] * 7, cap=7, floor=0.0) == 8  # drafts that survive: the longest block
+    assert plan.choose_block([0.6, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1], cap=7, floor=0.0) == 2  # chat-like: short
+    assert plan.choose_block([0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.1], cap=7, floor=0.0) == 4
+    assert plan.choose_block([0.95] * 7, cap=3, floor=0.0) == 4  # num_assistant_tokens caps the block too
+    flat = ProposalSchedule(CycleCosts(verify=[1.0] * 8, draft={2: 0.1, 4: 0.1, 8: 0.1}), AcceptanceModel([0.5] * 7))
+    assert flat.choose_block([0.0] * 7, cap=7, floor=0.0) == 2  # nothing to gain anywhere: the smaller block
+    assert ProposalSchedule(None, AcceptanceModel([0.5] * 7)).choose_block([0.1] * 7, cap=5, floor=0.0) == 6
+
+
+def test_typical_confidence_follows_recent_drafts():
+    model = AcceptanceModel([0.5] * 4)
+    assert model.typical() == [0.5] * 4  # nothing drafted yet
+    for _ in range(40):
+        model.note_drafted([0.9, 0.2])  # blocks of 3: slots 3 and 4 never drafted
+    typical = model.typical()
+    assert typical[0] == pytest.approx(0.9, abs=1e-3) and typical[1] == pytest.approx(0.2, abs=1e-3)
+    assert typical[2:] == [typical[1]] * 2  # an undrafted slot takes the nearest shallower slot's
+
+
 def test_plain_runs_double_while_drafting_does_not_pay():
     runs, run = [], 0
     for gain in [0.5] * 7 + [1.2, 0.5]:
@@ -224,6 +247,21 @@ def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch)
                 assert got.tolist() == expected.tolist(), (seed, kwargs)
 
 
+def _rotating_blocks(monkeypatch, sizes=(2, 8, 4, 3)):
+    """Make the cost-aware schedule draft each of `sizes` in turn (the costs would pick one)."""
+    turn = iter(range(10**6))
+    monkeypatch.setattr(ProposalSchedule, "choose_block", lambda self, *args: sizes[next(turn) % len(sizes)])
+
+
+def test_greedy_is_exact_whatever_block_each_cycle_drafts(fitted, monkeypatch):
+    target, drafter = fitted
+    _rotating_blocks(monkeypatch)
+    with schedule(drafter, costs=CycleCosts(verify=[1.0] * 8, draft={b: 0.01 for b in (2, 3, 4, 8)})):
+        stats = _greedy_cases(target, drafter, range(70, 76))
+    assert all(stats.drafted_blocks[b] > 2 for b in (2, 3, 4, 8)), stats.drafted_blocks
+    assert max(stats.accepted) > 1 and stats.proposal_lengths[7] > 0  # short and whole blocks both proposed
+
+
 def test_transformers_knobs_cap_and_floor_the_proposal(fitted):
     target, drafter = fitted
     with schedule(drafter, costs=FREE_VERIFY, num_assistant_tokens=3):
@@ -296,6 +334,23 @@ def test_batched_loop_is_exact_under_the_cost_aware_schedule(fitted, costs, monk
         assert lengths[7] > 0 and not lengths[0], lengths
     for row, stats in zip(range(4), out.stats):
         assert stats.committed_tokens == 30, (row, stats.as_dict())
+
+
+def test_batched_loop_is_exact_whatever_block_each_cycle_drafts(fitted, monkeypatch):
+    from dcoco_hf import speculative_generate
+
+    target, drafter = fitted
+    _rotating_blocks(monkeypatch)
+    prompts = [_prompt(80 + i, 4 + 3 * i, target.config.vocab_size)[0] for i in range(3)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    attention_mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    expected = target.generate(ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    with schedule(drafter, costs=CycleCosts(verify=[1.0] * 8, draft={b: 0.01 for b in (2, 3, 4, 8)})):
+        out = speculative_generate(target, ids, attention_mask=attention_mask, drafter=drafter, max_new_tokens=30)
+    assert out.sequences.tolist() == expected.tolist()
+    blocks = _padded(sum(out.stats, DCOCOStats()).drafted_blocks, 9)
+    assert all(blocks[b] > 0 for b in (2, 3, 4, 8)), blocks
 
 
 def _padded(values, width):

@@ -69,9 +69,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         driver: transformers' `AssistedCandidateGenerator` of the call (`assisted_driver`), through which the
             cost-aware schedule takes plain steps (k = 0); None proposes at least one token every cycle.
 
-    Each cycle proposes k tokens of the drafted block: under the cost-aware schedule (the default) the k of most
-    expected tokens per second (`proposal.py`), else as many as transformers asks for (`num_assistant_tokens`,
-    which the "heuristic" schedule moves).
+    Each cycle proposes k tokens of the drafted block: under the cost-aware schedule (the default) it drafts the
+    block and proposes the k of most expected tokens per second (`proposal.py`), else it drafts the configured block
+    and proposes as many as transformers asks for (`num_assistant_tokens`, which the "heuristic" schedule moves).
     """
 
     def __init__(
@@ -149,17 +149,20 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         if self.draft_vocabulary is not None:  # the answer's tokens only: a chat template's are never drafted
             answer = committed[self._prompt_length :]
             self._last_committed_tail = answer[-_DRAFTABLE_WINDOW:].tolist()
+        draftable = draftable_share(self._last_committed_tail, self.draft_vocabulary)
         context, positions = self._new_context(committed)
         length = committed.shape[0]
-        block = self.drafter.config.block_size
+        largest = self.drafter.config.block_size
+        cap = largest - 1 if max_new_tokens is None else min(max_new_tokens, largest - 1)
+        block = self._block_to_draft(cap, draftable)
         block_positions = torch.arange(length - 1, length - 1 + block, device=input_ids.device)
         position_ids = torch.cat([positions, block_positions])[None]
         proposal = self.drafter.propose(
             committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
-            context_ids=committed[None], timed=self.timed,
+            context_ids=committed[None], timed=self.timed, block_size=block,
         )
-        cap = block - 1 if max_new_tokens is None else min(max_new_tokens, block - 1)
-        k = self._proposal_length(proposal, length, cap)
+        self.stats.observe_drafted_block(block)
+        k = self._proposal_length(proposal, length, min(cap, block - 1), draftable)
         tokens = cut_at_stop(
             self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores,
             self.vocab_size,
@@ -172,7 +175,16 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._plain_since_draft = 0
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
 
-    def _proposal_length(self, proposal: DraftProposal, length: int, cap: int) -> int:
+    def _block_to_draft(self, cap: int, draftable: float) -> int:
+        """The block to draft this cycle: the configured one, or under the cost-aware schedule the one whose best
+        proposal pays most for a typical draft (`ProposalSchedule.choose_block`)."""
+        if self.schedule is None:
+            return self.drafter.config.block_size
+        acceptance = self.schedule.acceptance
+        predicted = acceptance.predict(acceptance.typical(), self.recent, draftable)
+        return self.schedule.choose_block(predicted, cap, self.floor)
+
+    def _proposal_length(self, proposal: DraftProposal, length: int, cap: int, draftable: float) -> int:
         """How many of the drafted tokens to propose (see the class docstring), and, under the cost-aware schedule,
         how many plain steps to take before the next draft."""
         if self.schedule is None:
@@ -180,9 +192,10 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         confidence = slot_confidence(
             proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
         )[0].tolist()  # [S]
-        draftable = draftable_share(self._last_committed_tail, self.draft_vocabulary)
-        predicted = self.schedule.acceptance.predict(confidence, self.recent, draftable)
-        choice = self.schedule.choose(predicted, cap, self.floor, self.drafter.config.block_size)
+        acceptance = self.schedule.acceptance
+        predicted = acceptance.predict(confidence, self.recent, draftable)
+        choice = self.schedule.choose(predicted, cap, self.floor, proposal.tokens.shape[1] + 1)
+        acceptance.note_drafted(confidence)
         if self._drafted:  # the call's first draft precedes the prompt's forward: it has no context to go by
             entry = (length, proposal.tokens[0].tolist(), confidence, predicted, self.recent, draftable)
             self._unlabelled.append(entry)
@@ -324,7 +337,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         costs = self.schedule.costs if self.schedule is not None else None
         if timed and costs is not None and started is not None and self._drafted > 1:
             wall = now - started
-            block = self.drafter.config.block_size
+            block = proposal.tokens.shape[1] + 1
             modelled = costs.cycle(drafted, block) + (forwards - 1) * costs.plain
             self.schedule.observe_loop((wall - modelled) / forwards)
             self.stats.plain_estimate_seconds += new * costs.plain

@@ -63,6 +63,8 @@ class DCOCOStats:
     prefix_walk: list[int] = field(default_factory=list)
     # the proposal length: cycles per tokens proposed (index 0: plain steps the schedule took instead of a draft)
     proposal_lengths: list[int] = field(default_factory=list)
+    # the drafted block (anchor + slots): cycles per block size drafted (the cost-aware schedule picks one per cycle)
+    drafted_blocks: list[int] = field(default_factory=list)
     # per drafted slot, over the blocks the cost-aware schedule labelled (the slot reached: every slot before it
     # right): the acceptance it predicted (summed), how many were labelled, how many were right
     slot_predicted: list[float] = field(default_factory=list)
@@ -109,9 +111,12 @@ class DCOCOStats:
             self.slot_labelled[slot] += 1
             self.slot_label_accepted[slot] += label
 
+    def observe_drafted_block(self, block: int) -> None:
+        """One draft of a block of `block` (anchor + slots)."""
+        _count(self.drafted_blocks, block)
+
     def _count_length(self, k: int, count: int = 1) -> None:
-        self.proposal_lengths += [0] * (k + 1 - len(self.proposal_lengths))
-        self.proposal_lengths[k] += count
+        _count(self.proposal_lengths, k, count)
 
     def observe_candidates(self, hits: torch.Tensor) -> None:
         """One drafted block's candidates against the tokens finally committed there: hits [s, K] is True where
@@ -137,10 +142,10 @@ class DCOCOStats:
         for name in _SCALAR_COUNTERS:
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         merged.accepted = self.accepted + other.accepted
-        lengths = max(len(self.proposal_lengths), len(other.proposal_lengths))
-        merged.proposal_lengths = [
-            a + b for a, b in zip(_padded(self.proposal_lengths, lengths), _padded(other.proposal_lengths, lengths))
-        ]
+        for name in ("proposal_lengths", "drafted_blocks"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            width = max(len(mine), len(theirs))
+            setattr(merged, name, [a + b for a, b in zip(_padded(mine, width), _padded(theirs, width))])
         width = max(len(getattr(stats, name)) for stats in (self, other) for name in _SLOT_COUNTERS)
         for name in _SLOT_COUNTERS:
             mine, theirs = _padded(getattr(self, name), width), _padded(getattr(other, name), width)
@@ -214,6 +219,7 @@ class DCOCOStats:
             "topk_ceiling_tau": self.prefix_tau("topk"),
             "walk_ceiling_tau": self.prefix_tau("walk"),
             "proposal_lengths": {str(k): n for k, n in enumerate(self.proposal_lengths) if n},
+            "drafted_blocks": {str(b): n for b, n in enumerate(self.drafted_blocks) if n},
             "predicted_accept": self.predicted_accept(),
             "observed_accept": _ratios(self.slot_label_accepted, self.slot_labelled),
             "seconds_saved": self.seconds_saved,
@@ -226,6 +232,11 @@ class DCOCOStats:
 
 def _ratios(numerators: list[int], denominators: list[int]) -> list[float | None]:
     return [n / d if d else None for n, d in zip(numerators, denominators)]
+
+
+def _count(counts: list[int], index: int, count: int = 1) -> None:
+    counts += [0] * (index + 1 - len(counts))
+    counts[index] += count
 
 
 def _padded(values: list[int], width: int) -> list[int]:
