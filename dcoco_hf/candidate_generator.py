@@ -36,6 +36,7 @@ from .context_cache import DraftContextCache
 from .hf_compat import assisted_loop_cuts_at_eos
 from .proposal import (
     COST_SCHEDULE,
+    DraftPlan,
     chain_labels,
     draftable_share,
     fade_recent,
@@ -119,6 +120,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._last_committed_tail: list[int] = []  # the newest committed tokens, read with a draft vocabulary
         self._prompt_length: int | None = None  # of the call's prompt: its first draft's committed length
         self._plain_since_draft = 0  # plain steps the schedule took since the last draft
+        self._plan: DraftPlan | None = None  # this cycle's block, and whether drafting is expected to pay
         on_forward = self._on_target_forward if self._driver is not None else None
         self.tap.listen(self, timed=self.timed, on_forward=on_forward)
 
@@ -154,7 +156,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         length = committed.shape[0]
         largest = self.drafter.config.block_size
         cap = largest - 1 if max_new_tokens is None else min(max_new_tokens, largest - 1)
-        block = self._block_to_draft(cap, draftable)
+        self._plan = self.schedule.plan_draft(self.recent, draftable, cap, self.floor) if self.schedule else None
+        block = self._plan.block if self._plan is not None else largest
         block_positions = torch.arange(length - 1, length - 1 + block, device=input_ids.device)
         position_ids = torch.cat([positions, block_positions])[None]
         proposal = self.drafter.propose(
@@ -175,15 +178,6 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._plain_since_draft = 0
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
 
-    def _block_to_draft(self, cap: int, draftable: float) -> int:
-        """The block to draft this cycle: the configured one, or under the cost-aware schedule the one whose best
-        proposal pays most for a typical draft (`ProposalSchedule.choose_block`)."""
-        if self.schedule is None:
-            return self.drafter.config.block_size
-        acceptance = self.schedule.acceptance
-        predicted = acceptance.predict(acceptance.typical(), self.recent, draftable)
-        return self.schedule.choose_block(predicted, cap, self.floor)
-
     def _proposal_length(self, proposal: DraftProposal, length: int, cap: int, draftable: float) -> int:
         """How many of the drafted tokens to propose (see the class docstring), and, under the cost-aware schedule,
         how many plain steps to take before the next draft."""
@@ -199,7 +193,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         if self._drafted:  # the call's first draft precedes the prompt's forward: it has no context to go by
             entry = (length, proposal.tokens[0].tolist(), confidence, predicted, self.recent, draftable)
             self._unlabelled.append(entry)
-            self.plain_run = next_plain_run(choice.gain, self.plain_run)
+            self.plain_run = next_plain_run(self._plan.gain, self.plain_run)
             driver = self.driver
             if self.plain_run and driver is not None:
                 self.plain_left, driver.num_assistant_tokens = self.plain_run, 0

@@ -603,13 +603,14 @@ class _BatchPlan:
         self.recent = [fade_recent(recent, prior) for recent in self.recent]
 
     def block_to_draft(self, row_ids: list[int]) -> int:
-        """The block every row drafts this cycle: the configured one, or under the cost-aware schedule the one whose
-        best proposal pays most for a typical draft of a row of typical running acceptance."""
+        """The block every row drafts this cycle: the configured one, or under the cost-aware schedule the one of
+        most expected tokens per second for recent drafts, at the rows' mean running acceptance (`plan_draft`)."""
         if self.schedule is None:
             return self.block
-        acceptance = self.schedule.acceptance
         recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
-        return self.schedule.choose_block(acceptance.predict(acceptance.typical(), recent), self.cap, self.floor)
+        plan = self.schedule.plan_draft(recent, 1.0, self.cap, self.floor)
+        self._gain = plan.gain
+        return plan.block
 
     def proposal_length(self, proposal: DraftProposal, row_ids: list[int]) -> int:
         drafted = proposal.tokens.shape[1]
@@ -624,7 +625,7 @@ class _BatchPlan:
         choice = self.schedule.choose_batch(predicted, min(self.cap, drafted), self.floor, drafted + 1)
         for row in confidence:
             acceptance.note_drafted(row)
-        self._drafted, self._gain = (confidence, recent), choice.gain
+        self._drafted = (confidence, recent)
         return choice.k
 
     def observe(self, row_ids: list[int], accepted: list[int], proposed: int) -> None:

@@ -26,6 +26,7 @@ from dcoco_hf.proposal import (
     MAX_PLAIN_RUN,
     AcceptanceModel,
     CycleCosts,
+    DraftPlan,
     ProposalSchedule,
     chain_labels,
     chain_prior,
@@ -126,16 +127,33 @@ def test_the_choice_trades_expected_tokens_against_cycle_costs():
     assert untuned.k == 5  # no costs known: every slot, like the constant schedule
 
 
-def test_the_drafted_block_is_the_one_that_pays_for_a_typical_draft():
+def _planner(costs, recent_confidences, slots=7):
+    """A schedule whose acceptance predicts each slot's confidence itself (bias 0, confidence weight 1, the other
+    features off), having seen `recent_confidences` drafted."""
+    acceptance = AcceptanceModel([0.5] * slots)
+    acceptance.weights = [1.0, 0.0, 0.0]
+    for confidence in recent_confidences:
+        acceptance.note_drafted(confidence)
+    return ProposalSchedule(costs, acceptance)
+
+
+def test_the_drafted_block_is_the_one_that_pays_for_recent_drafts():
     steep = CycleCosts(verify=CPU_LIKE.verify, draft={2: 0.1, 4: 0.3, 8: 0.9})  # a longer draft costs more
-    plan = ProposalSchedule(steep, AcceptanceModel([0.5] * 7))
-    assert plan.choose_block([0.95] * 7, cap=7, floor=0.0) == 8  # drafts that survive: the longest block
-    assert plan.choose_block([0.6, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1], cap=7, floor=0.0) == 2  # chat-like: short
-    assert plan.choose_block([0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.1], cap=7, floor=0.0) == 4
-    assert plan.choose_block([0.95] * 7, cap=3, floor=0.0) == 4  # num_assistant_tokens caps the block too
-    flat = ProposalSchedule(CycleCosts(verify=[1.0] * 8, draft={2: 0.1, 4: 0.1, 8: 0.1}), AcceptanceModel([0.5] * 7))
-    assert flat.choose_block([0.0] * 7, cap=7, floor=0.0) == 2  # nothing to gain anywhere: the smaller block
-    assert ProposalSchedule(None, AcceptanceModel([0.5] * 7)).choose_block([0.1] * 7, cap=5, floor=0.0) == 6
+    code, chat = [[0.95] * 7] * 4, [[0.6, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1]] * 4
+    assert _planner(steep, code).plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8  # drafts survive: long blocks
+    assert _planner(steep, chat).plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 2  # chat-like: short ones
+    middle = _planner(steep, [[0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.1]] * 4).plan_draft(0.5, 1.0, cap=7, floor=0.0)
+    assert middle.block == 4 and middle.gain > 1
+    assert _planner(steep, code).plan_draft(0.5, 1.0, cap=3, floor=0.0).block == 4  # num_assistant_tokens caps it
+    # A mix is planned over each draft at its own best length: one sure draft among hopeless ones still pays for
+    # a block long enough to carry it, where the mean confidence alone would draft short.
+    mixed = _planner(CycleCosts(verify=[1.0] * 8, draft={2: 0.05, 8: 0.1}), [[0.99] * 7] + [[0.05] * 7] * 3)
+    assert mixed.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
+    hopeless = _planner(NEVER_PAYS, [[0.1] * 7] * 4).plan_draft(0.5, 1.0, cap=7, floor=0.0)
+    assert hopeless.gain < 1  # plain steps next
+    flat = _planner(CycleCosts(verify=[1.0] * 8, draft={2: 0.1, 4: 0.1, 8: 0.1}), chat)
+    assert flat.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8  # slots that cost nothing are worth drafting
+    assert _planner(None, []).plan_draft(0.5, 1.0, cap=5, floor=0.0).block == 6  # untuned: the largest allowed
 
 
 def test_typical_confidence_follows_recent_drafts():
@@ -146,6 +164,7 @@ def test_typical_confidence_follows_recent_drafts():
     typical = model.typical()
     assert typical[0] == pytest.approx(0.9, abs=1e-3) and typical[1] == pytest.approx(0.2, abs=1e-3)
     assert typical[2:] == [typical[1]] * 2  # an undrafted slot takes the nearest shallower slot's
+    assert list(model.recent_drafts)[-1] == [0.9, 0.2] and len(model.recent_drafts) < 40  # only the last few
 
 
 def test_plain_runs_double_while_drafting_does_not_pay():
@@ -250,7 +269,9 @@ def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch)
 def _rotating_blocks(monkeypatch, sizes=(2, 8, 4, 3)):
     """Make the cost-aware schedule draft each of `sizes` in turn (the costs would pick one)."""
     turn = iter(range(10**6))
-    monkeypatch.setattr(ProposalSchedule, "choose_block", lambda self, *args: sizes[next(turn) % len(sizes)])
+    monkeypatch.setattr(
+        ProposalSchedule, "plan_draft", lambda self, *args: DraftPlan(sizes[next(turn) % len(sizes)], 1.0)
+    )
 
 
 def test_greedy_is_exact_whatever_block_each_cycle_drafts(fitted, monkeypatch):

@@ -15,14 +15,15 @@ logits), and from how well drafts fared in the call so far; an online logistic f
 target committed, every drafted slot counted (a slot that was not proposed is labelled by whether the committed token
 there equals it), starting from the drafter's `block_tau` (tau per block size implies the chain acceptance).
 
-The drafted block B is chosen before each draft, the same way: a draft of fewer slots is cheaper (on a CPU a block of
-8 costs about twice a block of 2), so each cycle drafts the B whose best proposal is expected to commit the most
-tokens per second, predicted from each slot's typical confidence in recent drafts (`AcceptanceModel.typical`).
-Chat, whose drafts rarely survive past the second slot, then drafts short blocks; code drafts long ones.
+Whether to draft at all, and which block B, is decided before each draft, from what is known then: a draft of
+fewer slots is cheaper (on a CPU a block of 8 costs about twice a block of 2), and the next draft will look like the
+recent ones. So each cycle drafts the B of most expected tokens per second when each of the last drafts' slot
+confidences (`AcceptanceModel.recent_drafts`, re-predicted with the call's acceptance now) is proposed at its own best
+k. Chat, whose drafts rarely survive past the second slot, drafts short blocks; code drafts long ones.
 
 The costs come from `CycleCosts`, timed when the drafter is attached (`block_choice.measure_cycle_costs`): robust to a
-noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine. A cycle whose best proposal
-is not expected to beat a plain step makes the next cycles plain steps (k = 0: no draft, a 1-row forward), for 1, 2,
+noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine. When even the best block is
+not expected to beat a plain step, the cycles after this one are plain steps (k = 0: no draft, a 1-row forward), for 1, 2,
 4, ... up to `MAX_PLAIN_RUN` cycles while drafts keep failing, so a drafter that cannot guess the text costs a draft
 now and then instead of every cycle.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,7 @@ _RECENT_DECAY = 0.25  # weight of the newest slot-1 outcome in a call's running 
 _RECENT_FADE = 0.05  # per plain step, the share of the way the running acceptance drifts back to the prior
 _LEARNING_RATE = 0.05
 _TYPICAL_DECAY = 0.2  # weight of the newest draft in a slot's typical confidence
+_PLANNED_DRAFTS = 8  # the recent drafts whose confidences forecast the next draft's
 _EPS = 1e-3
 
 
@@ -201,6 +204,7 @@ class AcceptanceModel:
         self.learning_rate = learning_rate
         self.observed = 0
         self._typical_logit: list[float | None] = [None] * len(prior)  # per slot, recent drafts' mean confidence
+        self.recent_drafts: deque[list[float]] = deque(maxlen=_PLANNED_DRAFTS)  # their slot confidences
 
     @property
     def slots(self) -> int:
@@ -217,7 +221,9 @@ class AcceptanceModel:
         return [self._p(slot, self._features(c, recent, draftable)) for slot, c in enumerate(confidence[: self.slots])]
 
     def note_drafted(self, confidence: Sequence[float]) -> None:
-        """One drafted block's slot confidences, for `typical`: a running mean of their logits per slot."""
+        """One drafted block's slot confidences, for `typical` (a running mean of their logits per slot) and
+        `recent_drafts`."""
+        self.recent_drafts.append(list(confidence[: self.slots]))
         for slot, c in enumerate(confidence[: self.slots]):
             known = self._typical_logit[slot]
             x = _logit(c)
@@ -288,6 +294,27 @@ class ProposalChoice:
     gain: float
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    """block: the block to draft next (anchor + slots); gain: the expected tokens per second of drafting it, each
+    draft proposed at its best length, over a plain step's (below 1: plain steps are expected to pay more)."""
+
+    block: int
+    gain: float
+
+
+def expected_tokens(predicted: Sequence[float], cap: int, floor: float) -> list[float]:
+    """E[committed | k] for k = 0, 1, ...: 1 + sum_{i <= k} prod_{j <= i} p_j, up to `cap` slots and cut before the
+    first slot after slot 1 predicted below `floor`."""
+    expected, survival = [1.0], 1.0
+    for k, p in enumerate(predicted[:cap], start=1):
+        if p < floor and k > 1:
+            break
+        survival *= p
+        expected.append(expected[-1] + survival)
+    return expected
+
+
 @dataclass
 class ProposalSchedule:
     """What the cost-aware schedule keeps across the calls of one attached drafter: the costs of this device and
@@ -306,18 +333,9 @@ class ProposalSchedule:
     def choose_batch(self, predicted: Sequence[Sequence[float]], cap: int, floor: float, block: int) -> ProposalChoice:
         """`choose` for one k shared by the rows of a batch (one verify forward of k + 1 columns): the k of most
         expected tokens, summed over the rows, per second; `expected` and `gain` are per row."""
-        totals = [float(len(predicted))]
-        for row in predicted:
-            survival = 1.0
-            for k, p in enumerate(row[:cap], start=1):
-                if p < floor and k > 1:
-                    break
-                survival *= p
-                if k == len(totals):
-                    totals.append(float(len(predicted)))
-                totals[k] += survival
-        for k in range(2, len(totals)):  # expected tokens at k include those of every shorter proposal
-            totals[k] += totals[k - 1] - len(predicted)
+        per_row = [expected_tokens(row, cap, floor) for row in predicted]
+        width = max((len(expected) for expected in per_row), default=1)  # a row's proposals end where it is cut
+        totals = [sum(expected[min(k, len(expected) - 1)] for expected in per_row) for k in range(width)]
         rows = max(len(predicted), 1)
         if self.costs is None:
             k = len(totals) - 1
@@ -327,15 +345,34 @@ class ProposalSchedule:
         k = 1 + max(range(len(rates)), key=rates.__getitem__)
         return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + loop) / rows)
 
-    def choose_block(self, predicted: Sequence[float], cap: int, floor: float) -> int:
-        """The block to draft next: the timed block size whose best proposal (`choose`, on acceptance `predicted`
-        for a typical draft) is expected to commit the most tokens per second; the smaller on a tie. At most
-        cap + 1 (the anchor and `cap` slots); the largest timed block without costs."""
+    def plan_draft(self, recent: float, draftable: float, cap: int, floor: float) -> DraftPlan:
+        """Before a draft: the timed block (at most cap + 1: the anchor and `cap` slots) of most expected tokens per
+        second when each recent draft (`AcceptanceModel.recent_drafts`, slots it did not draft at their typical
+        confidence) is predicted with the call's running acceptance `recent` and `draftable` share now and proposed
+        at its own best k; the smaller block on a tie. Without costs: the largest block, gain 1."""
+        acceptance = self.acceptance
         if self.costs is None:
-            return max(2, min(cap + 1, len(predicted) + 1))
-        sizes = [b for b in sorted(self.costs.draft) if b - 1 <= min(cap, len(predicted))] or [min(self.costs.draft)]
-        gains = [self.choose(predicted[: b - 1], min(cap, b - 1), floor, b).gain for b in sizes]
-        return sizes[max(range(len(sizes)), key=lambda i: (gains[i], -i))]
+            return DraftPlan(max(2, min(cap + 1, acceptance.slots + 1)), 1.0)
+        typical = acceptance.typical()
+        drafts = acceptance.recent_drafts or [typical]
+        forecasts = [
+            expected_tokens(acceptance.predict([*c, *typical[len(c) :]], recent, draftable), cap, floor)
+            for c in drafts
+        ]  # [drafts][k + 1]
+        reach = min(cap, acceptance.slots)
+        sizes = [b for b in sorted(self.costs.draft) if b - 1 <= reach] or [min(self.costs.draft)]
+        plain = self.costs.plain + self.loop_seconds
+        best = DraftPlan(sizes[0], -1.0)
+        for block in sizes:
+            tokens = seconds = 0.0
+            for expected in forecasts:
+                expected = expected[:block]  # k <= block - 1
+                costs = [self.costs.cycle(k, block) + self.loop_seconds for k in range(len(expected))]
+                k = max(range(1, len(expected)), key=lambda k: expected[k] / costs[k])
+                tokens, seconds = tokens + expected[k], seconds + costs[k]
+            if tokens / seconds * plain > best.gain:
+                best = DraftPlan(block, tokens / seconds * plain)
+        return best
 
     def observe_loop(self, seconds: float) -> None:
         """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0)."""
@@ -345,8 +382,8 @@ class ProposalSchedule:
 
 
 def next_plain_run(gain: float, previous_run: int) -> int:
-    """Plain steps to take before the next draft, after a drafted cycle of expected `gain` over a plain step: none
-    while drafting pays, else twice the previous run (1, 2, 4, ...) up to `MAX_PLAIN_RUN`."""
+    """Plain steps to take before the next draft, when drafting is expected to pay `gain` times a plain step
+    (`DraftPlan.gain`): none while it pays, else twice the previous run (1, 2, 4, ...) up to `MAX_PLAIN_RUN`."""
     if gain >= 1.0:
         return 0
     return min(max(1, 2 * previous_run), MAX_PLAIN_RUN)
@@ -372,7 +409,7 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 
 __all__ = [
-    "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "ProposalChoice", "ProposalSchedule",
-    "chain_labels", "chain_prior", "check_schedule", "draftable_share", "fade_recent", "isotonic", "next_plain_run",
-    "slot_confidence", "update_recent",
+    "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan", "ProposalChoice", "ProposalSchedule",
+    "chain_labels", "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
+    "next_plain_run", "slot_confidence", "update_recent",
 ]
