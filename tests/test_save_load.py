@@ -284,6 +284,9 @@ def test_public_dflash_checkpoint(tmp_path, qwen3, variant, monkeypatch):
 
     # Same weights under transformers' own DFlash generator: same proposals wherever both drafted after the same
     # committed prefix (DCOCO's first draft of a call precedes the prefill, transformers' DFlash skips that round).
+    # Both draft whole blocks (the cost-aware schedule may draft shorter ones, which a bidirectional drafter fills
+    # differently).
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
     ours = _record_drafts(monkeypatch, DCOCOCandidateGenerator)
     theirs = _record_drafts(monkeypatch, DFlashTokenCandidateGenerator)
     for seed in (0, 1):

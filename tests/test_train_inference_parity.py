@@ -47,6 +47,8 @@ def test_drafted_blocks_equal_the_training_forward(fitted, path, inputs, monkeyp
         drafter = scrambled(fitted_drafter, seed=2, context_bigrams=bigrams, corpus=corpus)
     cfg = drafter.config
     cfg.correct_first_slot = True
+    # Training packs whole blocks of cfg.block_size: draft those every cycle (the cost-aware schedule may draft less).
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
     drafted = []  # (anchor position, context rows the drafter holds, proposal) per cycle
     propose = drafter.propose
 

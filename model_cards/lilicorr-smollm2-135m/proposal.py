@@ -364,11 +364,10 @@ class ProposalSchedule:
         plain = self.costs.plain + self.loop_seconds
         best = DraftPlan(sizes[0], -1.0)
         for block in sizes:
+            costs = [self.costs.cycle(k, block) + self.loop_seconds for k in range(block)]  # [k]
             tokens = seconds = 0.0
             for expected in forecasts:
-                expected = expected[:block]  # k <= block - 1
-                costs = [self.costs.cycle(k, block) + self.loop_seconds for k in range(len(expected))]
-                k = max(range(1, len(expected)), key=lambda k: expected[k] / costs[k])
+                k = max(range(1, min(len(expected), block)), key=lambda k: expected[k] / costs[k])
                 tokens, seconds = tokens + expected[k], seconds + costs[k]
             if tokens / seconds * plain > best.gain:
                 best = DraftPlan(block, tokens / seconds * plain)
