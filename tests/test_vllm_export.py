@@ -113,3 +113,16 @@ def test_plugin_without_vllm_names_the_fix():
             import dcoco_hf.vllm_model  # noqa: F401
     else:
         pytest.skip("vLLM is installed here; tests/test_vllm_serving.py checks the plugin")
+
+
+def test_serving_doc_table_is_the_bench_json():
+    """docs/serving.md shows scripts/vllm_bench.py's rendering of docs/results/vllm_bench.json, whose speculative
+    outputs all equal plain vLLM's."""
+    import runpy
+
+    bench = runpy.run_path(str(REPO / "scripts" / "vllm_bench.py"))
+    report = json.loads((REPO / "docs" / "results" / "vllm_bench.json").read_text())
+    doc = (REPO / "docs" / "serving.md").read_text()
+    shown = doc.split(bench["BEGIN"], 1)[1].split(bench["END"], 1)[0].strip()
+    assert shown == bench["table"](report["summary"], report["meta"]), "run python scripts/vllm_bench.py"
+    assert all(row["identical_c1"] and row["identical_c4"] for row in report["summary"].values())

