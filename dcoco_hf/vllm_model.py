@@ -85,7 +85,12 @@ class DCOCODFlashForCausalLM(DFlashQwen3ForCausalLM):
     def corrected_tokens(self, slot_hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
         """The walked token of each slot row [B * S] from the last forward's block, or None when these rows are not
         that forward's mask slots (then vLLM's plain argmax stands)."""
-        if self._block is None or logits is None:
+        if logits is None:
+            return None
+        if self._block is None:  # e.g. a CUDA graph replay of the whole draft forward skips our Python forward
+            logger.warning_once("DCOCO: the draft forward's block rows were not kept (a CUDA graph replay skips the "
+                                "draft model's Python forward); proposing vLLM's plain argmax. Serve with "
+                                "enforce_eager=True to run the corrector.")
             return None
         input_ids, hidden = self._block
         self._block = None
