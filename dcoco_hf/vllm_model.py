@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 try:
     from vllm.logger import init_logger

@@ -132,7 +132,7 @@ def serve(spec: dict, scratch: Path, name: str) -> dict:
     return json.loads(result_file.read_text())
 
 
-def summarise(runs: dict, k: int) -> dict:
+def summarise(runs: dict) -> dict:
     """Acceptance, throughput ratios and exactness per configuration."""
     plain = runs["plain"]
     summary = {}
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     "prompts": prompts, "enforce_eager": args.enforce_eager}
             runs[name] = serve(spec, scratch, name)
             print(f"{name}: done", flush=True)
-    summary = summarise(runs, args.k)
+    summary = summarise(runs)
     command = "python scripts/vllm_bench.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     meta = {"command": command.strip(), "vllm": vllm.__version__, "machine": f"{os.cpu_count()}-core "
             f"{platform.machine()} CPU", "k": args.k, "max_tokens": args.max_tokens, "prompts": len(prompts),
