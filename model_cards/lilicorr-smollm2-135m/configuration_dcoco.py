@@ -21,6 +21,10 @@ from .correctors import corrector_class
 from .lilicorr import config_from_public
 
 SELECTIONS = WALKS
+# The RoPE base of a config that names none: the public DFlash checkpoints' (Qwen3's 1e6). `from_target` copies the
+# target's own RoPE settings, which every RoPE model's transformers 5 config holds, so this applies there only to a
+# target without RoPE (learned positions), whose drafter may use any base.
+DEFAULT_ROPE_THETA = 1_000_000.0
 # AutoModel only: a drafter cannot generate on its own (it needs the target's states), so no AutoModelForCausalLM.
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
@@ -393,7 +397,7 @@ def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] |
     params.setdefault("rope_type", params.pop("type", "default"))
     if rope_theta is not None:
         params.setdefault("rope_theta", rope_theta)
-    params.setdefault("rope_theta", 1_000_000.0)
+    params.setdefault("rope_theta", DEFAULT_ROPE_THETA)
     return params
 
 

@@ -309,7 +309,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             num_key_value_heads=config_kwargs.pop("num_key_value_heads", getattr(tcfg, "num_key_value_heads", heads)),
             head_dim=config_kwargs.pop("head_dim", getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_theta": 10000.0}),
+            rope_parameters=getattr(tcfg, "rope_parameters", None),  # None: the config's default base
             max_position_embeddings=getattr(tcfg, "max_position_embeddings", 32768),
             block_size=block_size,
             mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
