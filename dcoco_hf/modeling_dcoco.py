@@ -199,11 +199,10 @@ class DCOCOGenerationConfig(GenerationConfig):
         generation_config.num_assistant_tokens = model_config.block_size - 1
         generation_config.num_assistant_tokens_schedule = COST_SCHEDULE
         generation_config.assistant_confidence_threshold = 0.0
-        generation_config.use_corrector = True  # False drafts plain DFlash argmax blocks (the bench's baseline)
         # The decoding choices: defaults, or what a config.json written before they moved here holds.
         for name, value in {**asdict(DecodingChoices()), **model_config.legacy_decoding}.items():
             setattr(generation_config, name, value)
-        # Our own keys (use_corrector, the decoding choices) are dropped by transformers when it loads a
+        # Our own keys (the decoding choices) are dropped by transformers when it loads a
         # generation_config.json marked as derived from the model config.
         generation_config._from_model_config = False
         return generation_config
@@ -365,7 +364,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     def time_phases(self) -> bool:
         """Whether drafting and the tap wait for the device to time each phase (`generation_config.time_phases`;
         exact times on a GPU at one sync per phase, which the bench asks for; on CPU times are exact anyway)."""
-        return bool(getattr(self.generation_config, "time_phases", False))
+        return self.decoding.time_phases
 
     @property
     def proposal_schedule_name(self) -> str:
@@ -805,7 +804,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             )
         handle = _EngineHandle()
         self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
-        correct = getattr(self.generation_config, "use_corrector", True)
+        correct = self.decoding.use_corrector
         engine = handle.engine = DCOCOCandidateGenerator(
             self, generation_config, correct=correct, stopping_criteria=criteria, driver=assisted_driver()
         )

@@ -1,7 +1,9 @@
-"""One RoPE default: `from_target` copies the target's RoPE settings and otherwise takes DCOCOConfig's own."""
+"""One RoPE default: `from_target` copies the target's RoPE settings and otherwise takes DCOCOConfig's own; the
+decoding switches are checked with the other decoding choices."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import make_target
 
 from dcoco_hf import DCOCODrafter
@@ -21,3 +23,14 @@ def test_one_default_base_without_rope_settings():
     assert DCOCODrafter.from_target(target, block_size=4, top_k=4).config.rope_parameters["rope_theta"] == (
         DEFAULT_ROPE_THETA)
     assert DCOCOConfig(target_layer_ids=[0]).rope_parameters["rope_theta"] == DEFAULT_ROPE_THETA
+
+
+def test_decoding_switches_are_checked():
+    from dcoco_hf.configuration_dcoco import DecodingChoices
+
+    config = DCOCOConfig(target_layer_ids=[0])
+    assert DecodingChoices.read({}, config).use_corrector is True
+    assert DecodingChoices.read({"time_phases": True}, config).time_phases is True
+    for name in ("use_corrector", "time_phases"):
+        with pytest.raises(ValueError, match=f"{name}='yes'"):
+            DecodingChoices.read({name: "yes"}, config)

@@ -350,11 +350,16 @@ class DecodingChoices:
         block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
             model card says which). With cycle times timed on the machine at hand it picks the block size of highest
             tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
+        use_corrector: False drafts plain DFlash argmax blocks (the bench's baseline).
+        time_phases: wait for the device before reading the clock in each phase (exact GPU phase times at one sync
+            per phase, which the bench asks for; on CPU times are exact anyway).
     """
 
     selection: str = "prefix_first"
     geometric_lambda: float = 0.75
     block_tau: dict[str, float] | None = None
+    use_corrector: bool = True
+    time_phases: bool = False
 
     @classmethod
     def read(cls, values: Mapping[str, Any], config: DCOCOConfig) -> DecodingChoices:
@@ -385,7 +390,11 @@ class DecodingChoices:
                     f"{largest}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None when it was not "
                     "measured (scripts/record_block_tau.py records it from bench JSON files)."
                 )
-        return cls(selection, geometric_lambda, block_tau)
+        switches = {name: values.get(name, getattr(defaults, name)) for name in ("use_corrector", "time_phases")}
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} (generation config) must be true or false.")
+        return cls(selection, geometric_lambda, block_tau, **switches)
 
 
 DECODING_FIELDS = tuple(field.name for field in fields(DecodingChoices))
