@@ -53,6 +53,7 @@ from dcoco_hf.cli_common import (
     load_target,
 )
 from dcoco_hf.cpu_linear import use_few_rows_linear
+from dcoco_hf.lilicorr import LiLiCorrCorrector
 
 ROOT = Path(__file__).resolve().parents[1]
 # The few-rows layouts `attach` measured for SmolLM2-135M on the 2-core AMD EPYC machine of docs/lilicorr.md.
@@ -109,7 +110,7 @@ def main() -> None:
         if not sep or not label or not folder or label in ("dcoco", "lilicorr", "lilicorr-plain"):
             raise SystemExit(f"--backbone {given}: give LABEL=FOLDER with a new label (awl=runs/awl-backbone/final)")
         extra[label] = load_drafter(folder, target.device, target.dtype, "sdpa")
-    if lilicorr.config.corrector_type != "lilicorr":
+    if not isinstance(lilicorr.corrector, LiLiCorrCorrector):
         raise SystemExit(f"--lilicorr-drafter {args.lilicorr_drafter}: its corrector_type is "
                          f"{lilicorr.config.corrector_type!r}, not 'lilicorr'")
     if lilicorr.corrector.evidence is not None:  # the head alone, next to it

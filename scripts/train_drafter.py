@@ -31,7 +31,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from dcoco_hf import CorpusBigrams, DCOCODrafter
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.block_choice import set_block_size
-from dcoco_hf.configuration_dcoco import CORRECTOR_TYPES, DCOCOConfig
+from dcoco_hf.configuration_dcoco import DCOCOConfig
+from dcoco_hf.correctors import CORRECTOR_TYPES
 from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import PAIR_LOSSES, SLOT_WEIGHTINGS
 from dcoco_hf.training.trainer import (
@@ -284,7 +285,7 @@ def corrector_switch(args: argparse.Namespace) -> dict:
     A new LiLiCorr head is sized for the largest block it will train on, reads pair evidence only when asked
     (--context-bigrams, --corpus-bigrams), does not score DCOCO's way (correct_first_slot off: it always scores slot
     1 by its start scores), and starts with no measured block_tau (the DCOCO corrector's taus do not describe it)."""
-    if args.corrector is None or DCOCOConfig.from_pretrained(args.init).corrector_type == args.corrector:
+    if args.corrector is None or args.corrector == DCOCOConfig.from_pretrained(args.init).corrector_type:
         return {}
     if args.corrector == "dcoco":
         return {"corrector_type": "dcoco"}

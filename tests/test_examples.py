@@ -21,7 +21,7 @@ def load_example(name: str):
 
 
 @pytest.fixture(scope="module")
-def folders(tiny) -> list[str]:
+def folders(tiny) -> list[str]:  # noqa: F811 (pytest injects the imported fixture by name)
     """--target / --drafter arguments: a saved tiny llama target (with tokenizer) and a drafter fitted to it."""
     return [str(arg) for arg in tiny.model_args]
 

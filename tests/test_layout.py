@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dcoco_hf"
 LEAVES = (
     "tap", "context_cache", "device", "configuration_dcoco", "corrector", "lilicorr", "cpu_attention", "cpu_linear",
-    "logs",
+    "logs", "correctors",
 )
 
 

@@ -84,7 +84,7 @@ def drafter_loss(
     checkpoint can be trained on several sizes (DScout's mixed horizons, see `DrafterTrainingModel`).
     `pair_loss`: "joint" (the paper's K^2 softmax) or "successor" (the true predecessor's row only, see losses).
     `slot_weighting`: the DFlash slot loss's weights, "decay" (exp(-(k-1)/gamma)) or "awl" (DScout's acceptance
-    weights, `awl_slot_weights`). With `config.corrector_type == "lilicorr"` stage 2 is LiLiCorr's chain loss.
+    weights, `awl_slot_weights`). With a corrector trained by its chain loss (LiLiCorr's) stage 2 is that loss.
     """
     pair_loss_of = pair_loss_fn(pair_loss)
     if slot_weighting not in SLOT_WEIGHTINGS:
@@ -121,7 +121,7 @@ def drafter_loss(
     if not dcoco:
         return DrafterLoss(stage1, stage1.detach(), None, accuracy)
     anchor_ids = blocks.block_ids.view(n, m, block_size)[:, :, 0]  # [N, m]
-    if cfg.corrector_type == "lilicorr":
+    if drafter.corrector.chain_loss:
         return _lilicorr_stage(
             drafter, stage1, accuracy, blocks, labelled, block_hidden, anchor_ids, context_states, input_ids, loss_mask
         )

@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .corrector import CorpusBigrams, zero_linear
+from .corrector import Corrector, CorpusBigrams, zero_linear
 from .logs import logger
 
 PUBLIC_ARCHITECTURE = "LiLiCorrDraftModel"
@@ -169,7 +169,7 @@ class PairEvidence(nn.Module):
         return self.out(F.silu(self.inputs(facts.to(dtype)))).squeeze(-1).float()
 
 
-class LiLiCorrCorrector(nn.Module):
+class LiLiCorrCorrector(Corrector):
     """Start and transition scores of a block's candidate lattice (module docstring).
 
     Args:
@@ -242,9 +242,54 @@ class LiLiCorrCorrector(nn.Module):
         with torch.no_grad():
             self.score_gate.fill_(value / GATE_RATE)
 
+    reads_log_probs = True
+    reads_anchor_state = True
+    sized_by_block = True
+    chain_loss = True
+
+    @classmethod
+    def scores_first_slot(cls, config: Any) -> bool:
+        return True  # its start scores are the anchor -> slot 1 transitions
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        if not 2 <= config.block_size <= config.lilicorr_block_size:
+            raise ValueError(
+                f"block_size={config.block_size} with lilicorr_block_size={config.lilicorr_block_size}: a LiLiCorr "
+                "head serves blocks from 2 up to the size it was built for; draft a smaller block or train a larger "
+                "head."
+            )
+        if config.lilicorr_hidden_size % config.lilicorr_num_heads:
+            raise ValueError(
+                f"lilicorr_hidden_size={config.lilicorr_hidden_size} is not divisible by lilicorr_num_heads="
+                f"{config.lilicorr_num_heads}; pick a head count that divides the head width."
+            )
+        bad = {name: getattr(config, name) for name in (
+            "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
+            "lilicorr_vector_eps", "lilicorr_logit_scale") if not getattr(config, name) > 0}
+        if bad:
+            raise ValueError(f"LiLiCorr fields {bad} must be positive.")
+
+    def score(
+        self,
+        config: Any,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+        embedding: nn.Module,
+        candidate_log_probs: torch.Tensor | None = None,
+        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
+        seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # It reads the pair lattice whole, anchor pairs first.
+        tokens = self.candidate_tokens(candidates, embedding)  # [R, S, K, h]
+        return self(block_hidden[..., 1:, :], tokens, candidate_log_probs, *anchor, seen, corpus)
+
     @classmethod
     def from_config(cls, config: Any) -> LiLiCorrCorrector:
-        """The head a `DCOCOConfig` with corrector_type="lilicorr" describes."""
+        """The head a `DCOCOConfig` for this corrector describes."""
         return cls(
             config.hidden_size, config.lilicorr_block_size, config.top_k, config.lilicorr_hidden_size,
             config.lilicorr_num_layers, config.lilicorr_num_heads, config.lilicorr_mlp_ratio, config.lilicorr_factor_dim,

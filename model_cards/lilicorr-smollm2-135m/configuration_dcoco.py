@@ -17,10 +17,14 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from .corrector import WALKS, walk_name
+from .correctors import corrector_class
 from .lilicorr import config_from_public
 
 SELECTIONS = WALKS
-CORRECTOR_TYPES = ("dcoco", "lilicorr")
+# The RoPE base of a config that names none: the public DFlash checkpoints' (Qwen3's 1e6). `from_target` copies the
+# target's own RoPE settings, which every RoPE model's transformers 5 config holds, so this applies there only to a
+# target without RoPE (learned positions), whose drafter may use any base.
+DEFAULT_ROPE_THETA = 1_000_000.0
 # AutoModel only: a drafter cannot generate on its own (it needs the target's states), so no AutoModelForCausalLM.
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
@@ -254,7 +258,7 @@ class DCOCOConfig(PreTrainedConfig):
         self.corpus_bigrams = int(corpus_bigrams) if corpus_bigrams is not None else None
         self.draft_vocab_size = draft_vocab_size
         self.corrector_type = corrector_type
-        if corrector_type == "lilicorr" and lilicorr_block_size is None:
+        if corrector_class(corrector_type).sized_by_block and lilicorr_block_size is None:
             lilicorr_block_size = self.block_size  # the head is sized for the block it is built to draft
         self.lilicorr_block_size = int(lilicorr_block_size) if lilicorr_block_size is not None else None
         self.lilicorr_hidden_size = int(lilicorr_hidden_size) or hidden_size  # 0 means the drafter's width
@@ -283,7 +287,7 @@ class DCOCOConfig(PreTrainedConfig):
         """The longest block this drafter may draft: `max_block_size` if training covered longer blocks than
         `block_size`, the one it drafts by default; a LiLiCorr head also caps it at the block it is sized for."""
         largest = max(self.block_size, self.max_block_size or 0)
-        return min(largest, self.lilicorr_block_size) if self.corrector_type == "lilicorr" else largest
+        return min(largest, self.lilicorr_block_size) if corrector_class(self.corrector_type).sized_by_block else largest
 
     def check_dcoco_fields(self) -> None:
         """Raise a ValueError naming the bad field and the fix."""
@@ -292,7 +296,7 @@ class DCOCOConfig(PreTrainedConfig):
         if self.max_block_size is not None and self.max_block_size < 2:
             raise ValueError(f"max_block_size={self.max_block_size}: a block needs the anchor plus at least one mask "
                              "slot (>= 2); use None when block_size is the largest trained block.")
-        self.check_lilicorr_fields()
+        self.check_corrector_fields()
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
         if self.draft_vocab_size is not None and not self.top_k <= self.draft_vocab_size <= self.vocab_size:
@@ -329,27 +333,9 @@ class DCOCOConfig(PreTrainedConfig):
                 )
 
 
-    def check_lilicorr_fields(self) -> None:
-        """Raise a ValueError naming the bad corrector field and the fix."""
-        if self.corrector_type not in CORRECTOR_TYPES:
-            raise ValueError(f"corrector_type={self.corrector_type!r} is unknown; choose one of {CORRECTOR_TYPES}.")
-        if self.corrector_type != "lilicorr":
-            return
-        if not 2 <= self.block_size <= self.lilicorr_block_size:
-            raise ValueError(
-                f"block_size={self.block_size} with lilicorr_block_size={self.lilicorr_block_size}: a LiLiCorr head "
-                "serves blocks from 2 up to the size it was built for; draft a smaller block or train a larger head."
-            )
-        if self.lilicorr_hidden_size % self.lilicorr_num_heads:
-            raise ValueError(
-                f"lilicorr_hidden_size={self.lilicorr_hidden_size} is not divisible by lilicorr_num_heads="
-                f"{self.lilicorr_num_heads}; pick a head count that divides the head width."
-            )
-        bad = {name: getattr(self, name) for name in (
-            "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim",
-            "lilicorr_vector_eps", "lilicorr_logit_scale") if not getattr(self, name) > 0}
-        if bad:
-            raise ValueError(f"LiLiCorr fields {bad} must be positive.")
+    def check_corrector_fields(self) -> None:
+        """Raise a ValueError naming the bad corrector field and the fix (the corrector checks its own fields)."""
+        corrector_class(self.corrector_type).check_config(self)
 
 
 @dataclass(frozen=True)
@@ -364,11 +350,16 @@ class DecodingChoices:
         block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
             model card says which). With cycle times timed on the machine at hand it picks the block size of highest
             tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
+        use_corrector: False drafts plain DFlash argmax blocks (the bench's baseline).
+        time_phases: wait for the device before reading the clock in each phase (exact GPU phase times at one sync
+            per phase, which the bench asks for; on CPU times are exact anyway).
     """
 
     selection: str = "prefix_first"
     geometric_lambda: float = 0.75
     block_tau: dict[str, float] | None = None
+    use_corrector: bool = True
+    time_phases: bool = False
 
     @classmethod
     def read(cls, values: Mapping[str, Any], config: DCOCOConfig) -> DecodingChoices:
@@ -399,7 +390,11 @@ class DecodingChoices:
                     f"{largest}] (the largest trained block), each in [1, B]; wrong: {bad}. Use None when it was not "
                     "measured (scripts/record_block_tau.py records it from bench JSON files)."
                 )
-        return cls(selection, geometric_lambda, block_tau)
+        switches = {name: values.get(name, getattr(defaults, name)) for name in ("use_corrector", "time_phases")}
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} (generation config) must be true or false.")
+        return cls(selection, geometric_lambda, block_tau, **switches)
 
 
 DECODING_FIELDS = tuple(field.name for field in fields(DecodingChoices))
@@ -411,7 +406,7 @@ def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] |
     params.setdefault("rope_type", params.pop("type", "default"))
     if rope_theta is not None:
         params.setdefault("rope_theta", rope_theta)
-    params.setdefault("rope_theta", 1_000_000.0)
+    params.setdefault("rope_theta", DEFAULT_ROPE_THETA)
     return params
 
 

@@ -44,6 +44,7 @@ then costs O(P K hidden) for the projections plus one broadcast add, instead of 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -61,7 +62,85 @@ def zero_linear(inputs: int, outputs: int, bias: bool) -> nn.Linear:
     return layer
 
 
-class DCOCOCorrector(nn.Module):
+class Corrector(nn.Module):
+    """What the drafter asks of a corrector: build from the config, lay out its pair inputs, score a block's
+    candidates. Subclasses register under a `corrector_type` name in `correctors.CORRECTORS`.
+
+    The pair lattice (`pair_lattice`) is the candidates [..., S, K], with the anchor as a slot 0 of K equal
+    candidates in front when the first slot is scored, so one lookup of the pair inputs (`ContextBigrams`,
+    `CorpusBigrams`) serves the anchor -> slot 1 pairs and the slot pairs (half the small ops per draft).
+    """
+
+    # The candidates' log-probabilities under each slot's softmax (`DCOCODrafter.slot_candidates`).
+    reads_log_probs: ClassVar[bool] = False
+    # The fused target context of the position before the block (`DCOCODrafter.anchor_rows`).
+    reads_anchor_state: ClassVar[bool] = False
+    # Sized for one largest block (`lilicorr_block_size`), which caps the blocks the drafter may draft.
+    sized_by_block: ClassVar[bool] = False
+    # Stage 2 trains it with the chain loss over the whole lattice instead of per-transition cross-entropy.
+    chain_loss: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> Corrector:
+        """The corrector a `DCOCOConfig` describes."""
+        raise NotImplementedError
+
+    def init_weights(self) -> None:
+        """Start the parameters transformers' default init does not cover (none by default)."""
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise a ValueError naming a bad field of this corrector and the fix (nothing to check by default)."""
+
+    @classmethod
+    def scores_first_slot(cls, config: Any) -> bool:
+        """Whether the anchor -> slot 1 transitions are scored (read per call: `correct_first_slot` may change)."""
+        return bool(config.correct_first_slot)
+
+    @classmethod
+    def pair_lattice(cls, config: Any, anchor_ids: torch.LongTensor, candidates: torch.LongTensor) -> torch.LongTensor:
+        """anchor_ids [...], candidates [..., S, K] -> the pair lattice [..., P + 1, K] (class docstring)."""
+        if not cls.scores_first_slot(config):
+            return candidates
+        anchor = anchor_ids[..., None, None].expand(*candidates.shape[:-2], 1, candidates.shape[-1])  # [..., 1, K]
+        return torch.cat([anchor, candidates], dim=-2)  # [..., S + 1, K]
+
+    @classmethod
+    def split_anchor_pairs(
+        cls, config: Any, pairs: torch.Tensor | None, features: int = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Pair inputs over `pair_lattice` [..., P, K, K] (+ `features` trailing dims) -> (the slot pairs
+        [..., S - 1, K, K], the anchor -> slot 1 pairs [..., K] or None), each with those trailing dims."""
+        if pairs is None or not cls.scores_first_slot(config):
+            return pairs, None
+        tail = (slice(None),) * features
+        every = slice(None)
+        return pairs[(..., slice(1, None), every, every, *tail)], pairs[(..., 0, 0, every, *tail)]
+
+    def score(
+        self,
+        config: Any,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+        embedding: nn.Module,
+        candidate_log_probs: torch.Tensor | None = None,
+        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
+        seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Score R blocks' candidates -> (anchor -> slot 1 scores [R, K] or None, pair scores [R, S - 1, K, K]).
+
+        block_hidden [R, block, H] the drafter output (anchor, then slots); anchor_ids [R]; candidates /
+        candidate_logits / candidate_log_probs [R, S, K]; embedding the target's input embedding; anchor the
+        (rows [R, H], valid [R]) with `reads_anchor_state`; seen [R, P, K, K] / corpus [R, P, K, K, 2] the pair
+        inputs over `pair_lattice`, or None.
+        """
+        raise NotImplementedError
+
+
+class DCOCOCorrector(Corrector):
     """Scores every adjacent-slot candidate transition of a draft block.
 
     Args:
@@ -99,6 +178,38 @@ class DCOCOCorrector(nn.Module):
         self.delta_corpus = None
         if corpus_bigrams:
             self.add_corpus_input()
+
+    @classmethod
+    def from_config(cls, config: Any) -> DCOCOCorrector:
+        return cls(config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams,
+                   bool(config.corpus_bigrams))
+
+    def score(
+        self,
+        config: Any,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+        embedding: nn.Module,
+        candidate_log_probs: torch.Tensor | None = None,
+        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
+        seen: torch.Tensor | None = None,
+        corpus: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        seen, first_seen = self.split_anchor_pairs(config, seen)
+        corpus, first_corpus = self.split_anchor_pairs(config, corpus, features=1)
+        slot_hidden = block_hidden[..., 1:, :]  # [R, S, H]
+        candidate_embeds = embedding(candidates).to(slot_hidden.dtype)  # [R, S, K, H]
+        scores = self(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [R, S - 1, K, K]
+        if not self.scores_first_slot(config):
+            return None, scores
+        dtype = block_hidden.dtype
+        first = self.first_slot_scores(
+            block_hidden[:, 0], embedding(anchor_ids).to(dtype), block_hidden[:, 1],
+            candidate_embeds[..., 0, :, :].to(dtype), candidate_logits[:, 0], first_seen, first_corpus,
+        )
+        return first, scores
 
     def add_corpus_input(self) -> None:
         """Give Delta the two corpus inputs of `CorpusBigrams.inputs`, with zero weights: a trained corrector scores

@@ -50,10 +50,11 @@ from .candidate_generator import (
 )
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache
-from .corrector import ContextBigrams, CorpusBigrams, DCOCOCorrector, select_candidates
+from .corrector import ContextBigrams, CorpusBigrams, Corrector, select_candidates
+from .correctors import corrector_class
 from .device import device_sync
 from .hf_compat import cache_argument, cache_kwargs, output_cache
-from .lilicorr import LiLiCorrCorrector, is_public_folder, save_public
+from .lilicorr import is_public_folder, save_public
 from .logs import log, logger
 from .precision import precision_notes
 from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
@@ -198,11 +199,10 @@ class DCOCOGenerationConfig(GenerationConfig):
         generation_config.num_assistant_tokens = model_config.block_size - 1
         generation_config.num_assistant_tokens_schedule = COST_SCHEDULE
         generation_config.assistant_confidence_threshold = 0.0
-        generation_config.use_corrector = True  # False drafts plain DFlash argmax blocks (the bench's baseline)
         # The decoding choices: defaults, or what a config.json written before they moved here holds.
         for name, value in {**asdict(DecodingChoices()), **model_config.legacy_decoding}.items():
             setattr(generation_config, name, value)
-        # Our own keys (use_corrector, the decoding choices) are dropped by transformers when it loads a
+        # Our own keys (the decoding choices) are dropped by transformers when it loads a
         # generation_config.json marked as derived from the model config.
         generation_config._from_model_config = False
         return generation_config
@@ -226,7 +226,7 @@ class DCOCOPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
             if module.bias is not None:
                 init.zeros_(module.bias)
-        if isinstance(module, LiLiCorrCorrector):  # its own parameters; the Linear layers got the default above
+        if isinstance(module, Corrector):  # its own parameters; the Linear layers got the default above
             module.init_weights()
 
 
@@ -250,13 +250,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList([DCOCODecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        if config.corrector_type == "lilicorr":
-            self.corrector = LiLiCorrCorrector.from_config(config)
-        else:
-            self.corrector = DCOCOCorrector(
-                config.hidden_size, config.corrector_rank, config.corrector_hidden, config.context_bigrams,
-                bool(config.corpus_bigrams),
-            )
+        self.corrector = corrector_class(config.corrector_type).from_config(config)
         # The pair counts the corrector reads with `corpus_bigrams`, saved with the weights (`set_corpus_bigrams`).
         pairs = config.corpus_bigrams
         self.corpus_bigrams = CorpusBigrams(config.vocab_size, pairs) if pairs else None
@@ -314,7 +308,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             num_key_value_heads=config_kwargs.pop("num_key_value_heads", getattr(tcfg, "num_key_value_heads", heads)),
             head_dim=config_kwargs.pop("head_dim", getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_theta": 10000.0}),
+            rope_parameters=getattr(tcfg, "rope_parameters", None),  # None: the config's default base
             max_position_embeddings=getattr(tcfg, "max_position_embeddings", 32768),
             block_size=block_size,
             mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
@@ -370,7 +364,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
     def time_phases(self) -> bool:
         """Whether drafting and the tap wait for the device to time each phase (`generation_config.time_phases`;
         exact times on a GPU at one sync per phase, which the bench asks for; on CPU times are exact anyway)."""
-        return bool(getattr(self.generation_config, "time_phases", False))
+        return self.decoding.time_phases
 
     @property
     def proposal_schedule_name(self) -> str:
@@ -626,11 +620,10 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         scores = first_scores = None
         decoding = self.decoding
         selection = selection or decoding.selection
-        lilicorr = cfg.corrector_type == "lilicorr"
-        if correct and (lilicorr or block_size > 2 or cfg.correct_first_slot):
+        if correct and (block_size > 2 or self.scores_first_slot):
             first_scores, scores = self.score_candidates(
                 block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
-                anchor=self.anchor_rows(out.context_states, position_ids) if lilicorr else None,
+                anchor=self.anchor_rows(out.context_states, position_ids) if self.corrector.reads_anchor_state else None,
                 context_ids=context_ids, context_valid=context_valid,
             )  # [B, K] or None, [B, S - 1, K, K]
             # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
@@ -653,7 +646,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         their log-probabilities [..., K] under the slot's softmax when the LiLiCorr head reads them (else None)."""
         candidate_logits, columns = logits.topk(min(self.config.top_k, logits.shape[-1]), dim=-1)
         candidates = columns if column_tokens is None else column_tokens[columns]  # columns -> token ids
-        if self.config.corrector_type != "lilicorr":
+        if not self.corrector.reads_log_probs:
             return candidates, candidate_logits, None
         return candidates, candidate_logits, candidate_logits - logits.logsumexp(-1, keepdim=True)
 
@@ -692,20 +685,12 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         block_hidden, anchor_ids, candidates, candidate_logits, seen, corpus = scored(
             block_hidden, anchor_ids, candidates, candidate_logits, seen, corpus
         )
-        if self.config.corrector_type == "lilicorr":  # it reads the pair lattice whole, anchor pairs first
-            candidate_log_probs, *anchor = scored(candidate_log_probs, *anchor)
-            tokens = self.corrector.candidate_tokens(candidates, self.target.get_input_embeddings())  # [R, S, K, h]
-            return self.corrector(block_hidden[..., 1:, :], tokens, candidate_log_probs, *anchor, seen, corpus)
-        seen, first_seen = self._split_anchor_pairs(seen)
-        corpus, first_corpus = self._split_anchor_pairs(corpus, features=1)
-        slot_hidden = block_hidden[..., 1:, :]  # [R, S, H]
-        candidate_embeds = self.embed(candidates).to(slot_hidden.dtype)  # [R, S, K, H]
-        scores = self.corrector(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [R, S - 1, K, K]
-        if not self.config.correct_first_slot:
-            return None, scores
-        return self.first_slot_scores(
-            block_hidden, anchor_ids, candidate_embeds[..., 0, :, :], candidate_logits, first_seen, first_corpus
-        ), scores
+        candidate_log_probs, = scored(candidate_log_probs)
+        anchor = None if anchor is None else tuple(scored(*anchor))
+        return self.corrector.score(
+            self.config, block_hidden, anchor_ids, candidates, candidate_logits, self.target.get_input_embeddings(),
+            candidate_log_probs, anchor, seen, corpus,
+        )
 
     def anchor_rows(
         self, context_states: torch.Tensor, position_ids: torch.LongTensor
@@ -725,32 +710,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             return context_states.new_zeros(batch, self.config.hidden_size), valid
         return context_states[torch.arange(batch, device=last.device), last], valid  # [B, H]
 
-    def first_slot_scores(
-        self,
-        block_hidden: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        first_candidate_embeds: torch.Tensor,
-        candidate_logits: torch.Tensor,
-        seen: torch.Tensor | None = None,
-        corpus: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Anchor -> slot 1 transition scores (`correct_first_slot`), as drafting and training both compute them.
-
-        block_hidden [R, block, H] drafter output of each block, anchor_ids [R], first_candidate_embeds [R, K, H]
-        the embeddings of slot 1's candidates (drafting has them already, for the slot pairs), candidate_logits
-        [R, S, K], seen [R, K] m(anchor, b) with `context_bigrams`, corpus [R, K, 2] with `corpus_bigrams` -> [R, K].
-        """
-        dtype = block_hidden.dtype
-        return self.corrector.first_slot_scores(
-            block_hidden[:, 0], self.embed(anchor_ids).to(dtype), block_hidden[:, 1],
-            first_candidate_embeds.to(dtype), candidate_logits[:, 0], seen, corpus,
-        )
-
     @property
     def scores_first_slot(self) -> bool:
         """Whether the corrector scores the anchor -> slot 1 transitions: LiLiCorr's start scores always, DCOCO's
         with `correct_first_slot`."""
-        return self.config.corrector_type == "lilicorr" or self.config.correct_first_slot
+        return self.corrector.scores_first_slot(self.config)
 
     def candidate_bigrams(
         self,
@@ -760,9 +724,9 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         context_valid: torch.BoolTensor | None = None,
         anchor_positions: torch.LongTensor | None = None,
     ) -> torch.BoolTensor | None:
-        """m(a, b) of every transition of the pair lattice (`_with_anchor_slot`) [B, ..., P, K, K], as drafting and
+        """m(a, b) of every transition of the pair lattice (`Corrector.pair_lattice`) [B, ..., P, K, K], as drafting and
         training both compute them; None without `context_bigrams`. P = S - 1 slot pairs, after the anchor -> slot 1
-        pairs (P = S, K equal rows) when `scores_first_slot`; `_split_anchor_pairs` parts them.
+        pairs (P = S, K equal rows) when `scores_first_slot`; `Corrector.split_anchor_pairs` parts them.
 
         anchor_ids [B, ...] and candidates [B, ..., S, K] (drafting: one block per row, [B]; training: m blocks per
         sequence, [N, m]); context_ids / context_valid [B, L]; anchor_positions [B, ...], in training, restricts
@@ -776,7 +740,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
                 "tokens as context_ids to propose()."
             )
         bigrams, ends = ContextBigrams(context_ids, self.config.vocab_size, context_valid), anchor_positions
-        lattice = self._with_anchor_slot(anchor_ids, candidates)
+        lattice = self.corrector.pair_lattice(self.config, anchor_ids, candidates)
         return bigrams.seen(
             lattice[..., :-1, :, None], lattice[..., 1:, None, :], None if ends is None else ends[..., None, None, None]
         )
@@ -796,27 +760,8 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             return None
         table = self.corpus_bigrams
         own = None if exclude is None else table.own_counts(*exclude)
-        lattice = self._with_anchor_slot(anchor_ids, candidates)
+        lattice = self.corrector.pair_lattice(self.config, anchor_ids, candidates)
         return table.inputs(lattice[..., :-1, :, None], lattice[..., 1:, None, :], own)
-
-    def _with_anchor_slot(self, anchor_ids: torch.LongTensor, candidates: torch.LongTensor) -> torch.LongTensor:
-        """candidates [..., S, K], with the anchor as a slot 0 of K equal candidates in front when the first slot is
-        scored, so one lookup serves the anchor -> slot 1 pairs and the slot pairs (half the small ops per draft)."""
-        if not self.scores_first_slot:
-            return candidates
-        anchor = anchor_ids[..., None, None].expand(*candidates.shape[:-2], 1, candidates.shape[-1])  # [..., 1, K]
-        return torch.cat([anchor, candidates], dim=-2)  # [..., S + 1, K]
-
-    def _split_anchor_pairs(
-        self, pairs: torch.Tensor | None, features: int = 0
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Pair inputs over `_with_anchor_slot`'s lattice [..., P, K, K] (+ `features` trailing dims) -> (the slot
-        pairs [..., S - 1, K, K], the anchor -> slot 1 pairs [..., K] or None), each with those trailing dims."""
-        if pairs is None or not self.scores_first_slot:
-            return pairs, None
-        tail = (slice(None),) * features
-        every = slice(None)
-        return pairs[(..., slice(1, None), every, every, *tail)], pairs[(..., 0, 0, every, *tail)]
 
     # ------------------------------------------------------------------ transformers assisted generation
 
@@ -859,7 +804,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
             )
         handle = _EngineHandle()
         self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
-        correct = getattr(self.generation_config, "use_corrector", True)
+        correct = self.decoding.use_corrector
         engine = handle.engine = DCOCOCandidateGenerator(
             self, generation_config, correct=correct, stopping_criteria=criteria, driver=assisted_driver()
         )
