@@ -16,6 +16,7 @@ from torch import nn
 
 from .configuration_dcoco import DCOCOConfig
 from .corrector import CorpusBigrams, DCOCOCorrector, select_candidates
+from .correctors import corrector_class
 from .modeling_dcoco import DCOCODrafter
 
 
@@ -26,31 +27,31 @@ class DCOCOBlockCorrector(nn.Module):
     # The same functions `DCOCODrafter.propose` calls: one implementation of the corrector for every engine.
     slot_candidates = DCOCODrafter.slot_candidates
     score_candidates = DCOCODrafter.score_candidates
-    first_slot_scores = DCOCODrafter.first_slot_scores
     candidate_bigrams = DCOCODrafter.candidate_bigrams
     candidate_corpus_inputs = DCOCODrafter.candidate_corpus_inputs
     scores_first_slot = DCOCODrafter.scores_first_slot
-    _with_anchor_slot = DCOCODrafter._with_anchor_slot
-    _split_anchor_pairs = DCOCODrafter._split_anchor_pairs
 
     def __init__(self, config: DCOCOConfig, embed: Callable[[torch.Tensor], torch.Tensor],
                  selection: str = "prefix_first", geometric_lambda: float = 0.75) -> None:
         super().__init__()
-        if config.corrector_type != "dcoco":
+        if corrector_class(config.corrector_type) is not DCOCOCorrector:
             raise ValueError(f"The vLLM export serves DCOCO correctors; this one is {config.corrector_type!r}. Export "
                              "its backbone with `dcoco-hf export --format dflash` instead.")
         self.config = config
         self.selection, self.geometric_lambda = selection, geometric_lambda
         self.__dict__["_embed"] = embed  # the target's, borrowed: not a submodule, so never in this state dict
-        self.corrector = DCOCOCorrector(config.hidden_size, config.corrector_rank, config.corrector_hidden,
-                                        config.context_bigrams, bool(config.corpus_bigrams))
+        self.corrector = DCOCOCorrector.from_config(config)
         self.corpus_bigrams = CorpusBigrams(config.vocab_size, config.corpus_bigrams) if config.corpus_bigrams else None
         size = config.draft_vocab_size
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
 
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        """Target embeddings of token ids of any shape -> [..., H]."""
+        """Target embeddings of token ids of any shape -> [..., H] (an engine's embedding may take 1-D ids only)."""
         return self._embed(token_ids.reshape(-1)).view(*token_ids.shape, -1)
+
+    def input_embedding(self) -> nn.Module:
+        """What `score_candidates` embeds candidates with (`DCOCODrafter.input_embedding`): `embed`, as a module."""
+        return _Embedding(self.embed)
 
     @torch.no_grad()
     def walk(self, block_hidden: torch.Tensor, anchor_ids: torch.LongTensor, logits: torch.Tensor,
@@ -71,6 +72,17 @@ class DCOCOBlockCorrector(nn.Module):
         first = first if first is not None else candidate_logits[:, 0]
         chosen = select_candidates(self.selection, scores.float(), first.float(), self.geometric_lambda)
         return candidates.gather(-1, chosen[..., None]).squeeze(-1)
+
+
+class _Embedding(nn.Module):
+    """A token-embedding function as a module, held outside the state dict (the embedding is the engine's)."""
+
+    def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.__dict__["embed"] = embed
+
+    def forward(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        return self.embed(token_ids)
 
 
 __all__ = ["DCOCOBlockCorrector"]

@@ -39,6 +39,8 @@ from safetensors.torch import save_file
 from .block_choice import check_block_size
 from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig
+from .corrector import DCOCOCorrector
+from .correctors import corrector_class
 from .modeling_dcoco import DCOCODrafter, check_compatible
 from .vllm_plugin import ARCHITECTURE as VLLM_ARCHITECTURE
 
@@ -234,7 +236,7 @@ def export_vllm(
     lm_head and the corrector keeps to those ids), so no target is needed."""
     out = Path(out_dir)
     check_export_folder(out, source, overwrite)
-    if drafter.config.corrector_type != "dcoco":
+    if corrector_class(drafter.config.corrector_type) is not DCOCOCorrector:
         raise ValueError(f"The vllm format carries DCOCO correctors; this drafter's is {drafter.config.corrector_type!r}."
                          " Export its backbone with --format dflash instead.")
     tensors = backbone_tensors(drafter, dtype)

@@ -564,7 +564,11 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         return self._draft_head[1], self._draft_head[2]
 
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        return self.target.get_input_embeddings()(token_ids)
+        return self.input_embedding()(token_ids)
+
+    def input_embedding(self) -> nn.Module:
+        """The target's token embedding: the drafter embeds its block with it, the corrector its candidates."""
+        return self.target.get_input_embeddings()
 
     # ------------------------------------------------------------------ drafting: the one code path
 
@@ -688,7 +692,7 @@ class DCOCODrafter(DCOCOPreTrainedModel, GenerationMixin):
         candidate_log_probs, = scored(candidate_log_probs)
         anchor = None if anchor is None else tuple(scored(*anchor))
         return self.corrector.score(
-            self.config, block_hidden, anchor_ids, candidates, candidate_logits, self.target.get_input_embeddings(),
+            self.config, block_hidden, anchor_ids, candidates, candidate_logits, self.input_embedding(),
             candidate_log_probs, anchor, seen, corpus,
         )
 
