@@ -333,7 +333,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             wall = now - started
             block = proposal.tokens.shape[1] + 1
             modelled = costs.cycle(drafted, block) + (forwards - 1) * costs.plain
-            self.schedule.observe_loop((wall - modelled) / forwards)
+            self.schedule.observe_loop((wall - modelled) / forwards, block if forwards == 1 else None)
             self.stats.plain_estimate_seconds += new * costs.plain
             self.stats.cycle_wall_seconds += wall
 

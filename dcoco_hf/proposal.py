@@ -6,7 +6,7 @@ many tokens that forward may commit. Each cycle the cost-aware schedule proposes
 tokens per second:
 
     E[committed | k] = 1 + sum_{i <= k} prod_{j <= i} p_j     (prefix-first: verification stops at the first error)
-    T(k, B)          = draft(B) + verify(k + 1) + loop        T(0) = verify(1) + loop: a plain step
+    T(k, B)          = draft(B) + verify(k + 1) + loop(B)     T(0) = verify(1) + loop: a plain step
 
 p_j is the chance that slot j is accepted given that every slot before it was (the chain acceptance of DScout and of
 the DCOCO paper's prefix-first analysis). It is predicted per slot from the slot's confidence, the probability the
@@ -22,7 +22,8 @@ confidences (`AcceptanceModel.recent_drafts`, re-predicted with the call's accep
 k. Chat, whose drafts rarely survive past the second slot, drafts short blocks; code drafts long ones.
 
 The costs come from `CycleCosts`, timed when the drafter is attached (`block_choice.measure_cycle_costs`): robust to a
-noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine. When even the best block is
+noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine; what they miss is learned
+from the cycles' own wall times (`loop`, and `loop(B)` from the cycles that drafted B). When even the best block is
 not expected to beat a plain step, the cycles after this one are plain steps (k = 0: no draft, a 1-row forward), for 1, 2,
 4, ... up to `MAX_PLAIN_RUN` cycles while drafts keep failing, so a drafter that cannot guess the text costs a draft
 now and then instead of every cycle.
@@ -323,7 +324,15 @@ class ProposalSchedule:
     costs: CycleCosts | None
     acceptance: AcceptanceModel
     loop_seconds: float = 0.0  # per-cycle time outside the timed forwards, refined from the cycles themselves
+    # The same, per drafted block, from the cycles that drafted it: what the timed costs miss for that block (a
+    # draft or a verify width that runs slower in the loop than when timed alone) moves the next choices.
+    block_loop: dict[int, float] = field(default_factory=dict)
     _loop_samples: int = field(default=0, repr=False)
+    _block_samples: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def loop_for(self, block: int) -> float:
+        """The time outside the modelled forwards of a cycle drafting `block`: its own cycles', else every cycle's."""
+        return self.block_loop.get(block, self.loop_seconds)
 
     def choose(self, predicted: Sequence[float], cap: int, floor: float, block: int) -> ProposalChoice:
         """The k in [1, cap] of most expected tokens per second, cut before the first slot predicted below `floor`
@@ -340,10 +349,10 @@ class ProposalSchedule:
         if self.costs is None:
             k = len(totals) - 1
             return ProposalChoice(k, totals[k] / rows, 1.0)
-        loop = self.loop_seconds
+        loop = self.loop_for(block)
         rates = [totals[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(totals))]
         k = 1 + max(range(len(rates)), key=rates.__getitem__)
-        return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + loop) / rows)
+        return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + self.loop_seconds) / rows)
 
     def plan_draft(self, recent: float, draftable: float, cap: int, floor: float) -> DraftPlan:
         """Before a draft: the timed block (at most cap + 1: the anchor and `cap` slots) of most expected tokens per
@@ -364,7 +373,7 @@ class ProposalSchedule:
         plain = self.costs.plain + self.loop_seconds
         best = DraftPlan(sizes[0], -1.0)
         for block in sizes:
-            costs = [self.costs.cycle(k, block) + self.loop_seconds for k in range(block)]  # [k]
+            costs = [self.costs.cycle(k, block) + self.loop_for(block) for k in range(block)]  # [k]
             tokens = seconds = 0.0
             for expected in forecasts:
                 k = max(range(1, min(len(expected), block)), key=lambda k: expected[k] / costs[k])
@@ -373,11 +382,19 @@ class ProposalSchedule:
                 best = DraftPlan(block, tokens / seconds * plain)
         return best
 
-    def observe_loop(self, seconds: float) -> None:
-        """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0)."""
+    def observe_loop(self, seconds: float, block: int | None = None) -> None:
+        """A cycle's wall time less its modelled forwards, per forward: the running mean of the rest (never below 0),
+        and that of the drafted `block`'s when the cycle was one draft and its verify (no plain steps in it)."""
         self._loop_samples += 1
-        step = max(1.0 / self._loop_samples, 0.05)
-        self.loop_seconds = max(0.0, self.loop_seconds + step * (seconds - self.loop_seconds))
+        self.loop_seconds = _running_mean(self.loop_seconds, seconds, self._loop_samples)
+        if block is not None:
+            samples = self._block_samples[block] = self._block_samples.get(block, 0) + 1
+            self.block_loop[block] = _running_mean(self.loop_for(block), seconds, samples)
+
+
+def _running_mean(mean: float, sample: float, samples: int) -> float:
+    """The mean of the samples so far, turning into a moving average (5% per sample) after 20; never below 0."""
+    return max(0.0, mean + max(1.0 / samples, 0.05) * (sample - mean))
 
 
 def next_plain_run(gain: float, previous_run: int) -> int:

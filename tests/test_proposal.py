@@ -156,6 +156,27 @@ def test_the_drafted_block_is_the_one_that_pays_for_recent_drafts():
     assert _planner(None, []).plan_draft(0.5, 1.0, cap=5, floor=0.0).block == 6  # untuned: the largest allowed
 
 
+def test_cycles_slower_than_timed_move_the_next_plans():
+    """What the timed costs miss for one block, the cycles that drafted it teach: a process whose tuning timed block
+    8 too cheap stops drafting it once its cycles run slower, whatever the start-up timing said."""
+    steep = CycleCosts(verify=CPU_LIKE.verify, draft={2: 0.1, 4: 0.3, 8: 0.9})
+    code = [[0.95] * 7] * 4
+    planner = _planner(steep, code)
+    assert planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
+    assert planner.loop_for(4) == planner.loop_seconds == 0.0  # nothing seen yet: every block the shared loop
+    for _ in range(5):  # block 8's cycles take 1.5 s more than its timed draft and verify, block 4's run as timed
+        planner.observe_loop(1.5, block=8)
+        planner.observe_loop(0.0, block=4)
+    assert planner.loop_for(8) == pytest.approx(1.5) and planner.loop_for(4) == 0.0
+    assert planner.loop_seconds == pytest.approx(0.75)  # plain steps pay the loop of every cycle seen
+    assert planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 4
+    planner.observe_loop(0.2)  # a cycle with plain steps in it teaches the shared loop only
+    assert planner.loop_for(8) == pytest.approx(1.5)
+    for _ in range(200):  # cycles as fast as timed: the learned excess fades away
+        planner.observe_loop(0.0, block=8)
+    assert planner.loop_for(8) < 1e-3 and planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
+
+
 def test_typical_confidence_follows_recent_drafts():
     model = AcceptanceModel([0.5] * 4)
     assert model.typical() == [0.5] * 4  # nothing drafted yet
