@@ -6,6 +6,8 @@ contextual corrector.
     batch = speculative_generate(target, **batch_inputs, drafter=drafter, max_new_tokens=256)  # left-padded batch
 """
 
+from transformers import AutoConfig, AutoModel
+
 from .block_choice import BlockSizeChoice, choose_block_size, set_block_size
 from .candidate_generator import DCOCOCandidateGenerator
 from .configuration_dcoco import DCOCOConfig
@@ -21,13 +23,19 @@ from .corrector import (
 from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
 from .generation import SpeculativeOutput, speculative_generate
-from .modeling_dcoco import DCOCODrafter, DraftProposal, spread_layer_ids
+from .drafter import DCOCODrafter, spread_layer_ids
+from .drafting import DraftProposal
+from .modeling_dcoco import DCOCODraftModel
 from .stats import DCOCOStats
 from .tap import TargetTap
 from .tuning import Tuning, tune, untune
 
+# A saved folder names its own code (the network) for the Auto classes; with the package imported, AutoConfig and
+# AutoModel build the package's classes for the "dcoco" model type instead, `trust_remote_code` or not, so
+# `AutoModel.from_pretrained(folder, trust_remote_code=True)` returns a `DCOCODrafter` that can `attach`.
 DCOCOConfig.register_for_auto_class("AutoConfig")
-DCOCODrafter.register_for_auto_class("AutoModel")
+AutoConfig.register(DCOCOConfig.model_type, DCOCOConfig, exist_ok=True)
+AutoModel.register(DCOCOConfig, DCOCODrafter, exist_ok=True)
 
 __version__ = "0.2.0"
 
@@ -39,6 +47,7 @@ __all__ = [
     "DCOCOCandidateGenerator",
     "DCOCOConfig",
     "DCOCOCorrector",
+    "DCOCODraftModel",
     "DCOCODrafter",
     "DCOCOStats",
     "DraftContextCache",

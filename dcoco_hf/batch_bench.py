@@ -33,7 +33,7 @@ from .cli_common import (
 from .cpu_linear import few_rows_plan
 from .generation import speculative_generate
 from .logs import log
-from .modeling_dcoco import DCOCODrafter
+from .drafter import DCOCODrafter
 
 BATCH_METHODS = ("vanilla", "dflash", "dcoco")
 

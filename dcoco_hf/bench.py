@@ -42,7 +42,7 @@ from .block_choice import block_size_for_call, check_block_size, set_block_size 
 from .device import device_sync
 from .hf_compat import cache_kwargs, require_assisted_static_cache
 from .logs import log
-from .modeling_dcoco import DCOCODrafter
+from .drafter import DCOCODrafter
 from .stats import DCOCOStats
 from .tap import forward_inputs
 

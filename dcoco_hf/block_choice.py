@@ -40,7 +40,7 @@ from .proposal import CycleCosts
 from .hf_compat import cache_kwargs
 
 if TYPE_CHECKING:
-    from .modeling_dcoco import DCOCODrafter
+    from .drafting import AttachedDrafter as DCOCODrafter
 
 
 def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:

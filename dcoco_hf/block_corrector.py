@@ -17,7 +17,7 @@ from torch import nn
 from .configuration_dcoco import DCOCOConfig
 from .corrector import CorpusBigrams, DCOCOCorrector, select_candidates
 from .correctors import corrector_class
-from .modeling_dcoco import DCOCODrafter
+from .modeling_dcoco import DCOCODraftModel
 
 
 class DCOCOBlockCorrector(nn.Module):
@@ -25,11 +25,11 @@ class DCOCOBlockCorrector(nn.Module):
     own methods that read a block's candidates and score them; `embed` is the target's token embedding."""
 
     # The same functions `DCOCODrafter.propose` calls: one implementation of the corrector for every engine.
-    slot_candidates = DCOCODrafter.slot_candidates
-    score_candidates = DCOCODrafter.score_candidates
-    candidate_bigrams = DCOCODrafter.candidate_bigrams
-    candidate_corpus_inputs = DCOCODrafter.candidate_corpus_inputs
-    scores_first_slot = DCOCODrafter.scores_first_slot
+    slot_candidates = DCOCODraftModel.slot_candidates
+    score_candidates = DCOCODraftModel.score_candidates
+    candidate_bigrams = DCOCODraftModel.candidate_bigrams
+    candidate_corpus_inputs = DCOCODraftModel.candidate_corpus_inputs
+    scores_first_slot = DCOCODraftModel.scores_first_slot
 
     def __init__(self, config: DCOCOConfig, embed: Callable[[torch.Tensor], torch.Tensor],
                  selection: str = "prefix_first", geometric_lambda: float = 0.75) -> None:

@@ -47,7 +47,8 @@ from .proposal import (
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
-    from .modeling_dcoco import DCOCODrafter, DraftProposal
+    from .drafting import AttachedDrafter as DCOCODrafter
+    from .drafting import DraftProposal
 
 
 class TapCounters(NamedTuple):

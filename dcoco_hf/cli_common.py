@@ -37,7 +37,7 @@ from .bench import (
 )
 from .cpu_attention import CPU_GQA_ATTENTION
 from .logs import log
-from .modeling_dcoco import DCOCODrafter
+from .drafter import DCOCODrafter
 from .plots import write_plots
 from .precision import describe_quantization
 

@@ -28,29 +28,15 @@ DEFAULT_ROPE_THETA = 1_000_000.0
 # AutoModel only: a drafter cannot generate on its own (it needs the target's states), so no AutoModelForCausalLM.
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
-    "AutoModel": "modeling_dcoco.DCOCODrafter",
+    "AutoModel": "modeling_dcoco.DCOCODraftModel",
 }
 
 
-# The type of every field DCOCOConfig reads as a number, flag, name or list (None allowed where the default is None):
+# What a config.json value must be, by the field's declared type (None allowed where the declaration allows it):
 # checked before any conversion, so `block_size: "abc"` or `2.5` in a config.json is refused naming the field.
 _INT, _FLOAT, _BOOL, _STR, _INTS, _STRS = "an integer", "a number", "true or false", "a string", "a list of integers", (
     "a list of strings")
-_FIELD_TYPES = {
-    **dict.fromkeys(
-        ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "max_block_size", "mask_token_id",
-         "num_target_layers", "top_k", "corrector_rank", "corrector_hidden", "corpus_bigrams", "draft_vocab_size",
-         "lilicorr_block_size", "lilicorr_hidden_size", "lilicorr_num_layers", "lilicorr_num_heads",
-         "lilicorr_factor_dim"), _INT),
-    **dict.fromkeys(
-        ("rms_norm_eps", "rope_theta", "attention_dropout", "initializer_range", "lilicorr_mlp_ratio",
-         "lilicorr_vector_eps", "lilicorr_logit_scale"), _FLOAT),
-    **dict.fromkeys(("attention_bias", "correct_first_slot", "context_bigrams"), _BOOL),
-    **dict.fromkeys(("hidden_act", "corrector_type"), _STR),
-    "target_layer_ids": _INTS,
-    "layer_types": _STRS,
-}
+_KINDS = {"int": _INT, "float": _FLOAT, "bool": _BOOL, "str": _STR, "list[int]": _INTS, "list[str]": _STRS}
 
 
 def _has_type(value: Any, kind: str) -> bool:
@@ -146,11 +132,11 @@ class DCOCOConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
-    layer_types: list | None = None
+    layer_types: list[str] | None = None
     block_size: int = 16
     max_block_size: int | None = None
     mask_token_id: int | None = None
-    target_layer_ids: list | None = None
+    target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
     top_k: int = 16
     corrector_rank: int = 128
@@ -171,104 +157,41 @@ class DCOCOConfig(PreTrainedConfig):
     base_drafter: str | None = None
 
     def __init__(
-        self,
-        vocab_size: int = 151936,
-        hidden_size: int = 4096,
-        intermediate_size: int = 12288,
-        num_hidden_layers: int = 5,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int = 8,
-        head_dim: int | None = None,
-        hidden_act: str = "silu",
-        rms_norm_eps: float = 1e-6,
-        rope_theta: float | None = None,
-        rope_parameters: dict[str, Any] | None = None,
-        max_position_embeddings: int = 40960,
-        attention_bias: bool = False,
-        attention_dropout: float = 0.0,
-        initializer_range: float = 0.02,
-        block_size: int | None = None,
-        max_block_size: int | None = None,
-        mask_token_id: int | None = None,
-        target_layer_ids: list[int] | None = None,
-        num_target_layers: int | None = None,
-        top_k: int = 16,
-        corrector_rank: int = 128,
-        corrector_hidden: int = 256,
-        correct_first_slot: bool = False,
-        context_bigrams: bool = False,
-        corpus_bigrams: int | None = None,
-        draft_vocab_size: int | None = None,
-        layer_types: list[str] | None = None,
-        corrector_type: str = "dcoco",
-        lilicorr_block_size: int | None = None,
-        lilicorr_hidden_size: int = 128,
-        lilicorr_num_layers: int = 2,
-        lilicorr_num_heads: int = 4,
-        lilicorr_mlp_ratio: float = 2.0,
-        lilicorr_factor_dim: int = 64,
-        lilicorr_vector_eps: float = 1e-4,
-        lilicorr_logit_scale: float = 10.0,
-        base_drafter: str | None = None,
-        dflash_config: dict[str, Any] | None = None,
-        **kwargs: Any,
+        self, rope_theta: float | None = None, dflash_config: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        # Public DFlash checkpoints keep these either at the top level or under `dflash_config`.
+        """Every field is a keyword named and defaulted once, in the declarations above. `rope_theta` is the older
+        spelling of `rope_parameters["rope_theta"]`; `dflash_config` is where public DFlash checkpoints keep their
+        DFlash fields (and a public LiLiCorr checkpoint its head's), read when the top level lacks them."""
+        given = {name: kwargs.pop(name) for name in _DECLARED if name in kwargs}
         dflash_config = dict(dflash_config or {})
-        block_size = block_size if block_size is not None else dflash_config.get("block_size", 16)
-        mask_token_id = mask_token_id if mask_token_id is not None else dflash_config.get("mask_token_id")
-        target_layer_ids = target_layer_ids if target_layer_ids is not None else dflash_config.get("target_layer_ids")
-        check_field_types({**locals(), **{name: kwargs[name] for name in _FIELD_TYPES if name in kwargs}})
-        # A public LiLiCorr checkpoint keeps its head geometry there too (`lilicorr_*`, candidate_topk = our top_k).
-        public = config_from_public(dflash_config)
-        if public is not None:
-            corrector_type, top_k = public.pop("corrector_type"), public.pop("top_k")
-            lilicorr_block_size = public.pop("lilicorr_block_size", block_size)
-            lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio = (
-                public["lilicorr_hidden_size"], public["lilicorr_num_layers"], public["lilicorr_num_heads"],
-                public["lilicorr_mlp_ratio"])
-            lilicorr_factor_dim, lilicorr_vector_eps, lilicorr_logit_scale = (
-                public["lilicorr_factor_dim"], public["lilicorr_vector_eps"], public["lilicorr_logit_scale"])
-
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        self.hidden_act = hidden_act
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_parameters = _rope_parameters(rope_theta, rope_parameters)
-        self.max_position_embeddings = max_position_embeddings
-        self.attention_bias = attention_bias
-        self.attention_dropout = attention_dropout
-        self.initializer_range = initializer_range
-        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
-        self.block_size = int(block_size)
-        self.max_block_size = max_block_size
-        self.mask_token_id = mask_token_id
-        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
-        self.num_target_layers = num_target_layers
-        self.top_k = top_k
-        self.corrector_rank = corrector_rank
-        self.corrector_hidden = corrector_hidden
-        self.correct_first_slot = bool(correct_first_slot)
-        self.context_bigrams = bool(context_bigrams)
-        self.corpus_bigrams = int(corpus_bigrams) if corpus_bigrams is not None else None
-        self.draft_vocab_size = draft_vocab_size
-        self.corrector_type = corrector_type
-        if corrector_class(corrector_type).sized_by_block and lilicorr_block_size is None:
-            lilicorr_block_size = self.block_size  # the head is sized for the block it is built to draft
-        self.lilicorr_block_size = int(lilicorr_block_size) if lilicorr_block_size is not None else None
-        self.lilicorr_hidden_size = int(lilicorr_hidden_size) or hidden_size  # 0 means the drafter's width
-        self.lilicorr_num_layers = int(lilicorr_num_layers)
-        self.lilicorr_num_heads = int(lilicorr_num_heads)
-        self.lilicorr_mlp_ratio = float(lilicorr_mlp_ratio)
-        self.lilicorr_factor_dim = int(lilicorr_factor_dim)
-        self.lilicorr_vector_eps = float(lilicorr_vector_eps)
-        self.lilicorr_logit_scale = float(lilicorr_logit_scale)
-        self.base_drafter = base_drafter
+        for name in ("block_size", "mask_token_id", "target_layer_ids"):
+            if given.get(name) is None and name in dflash_config:
+                given[name] = dflash_config[name]
+        check_field_types({**given, "rope_theta": rope_theta})
+        given.update(config_from_public(dflash_config) or {})  # a LiLiCorr head's geometry (candidate_topk: top_k)
+        if given.get("block_size") is None:  # block_size=None: the checkpoint's own, else the declared default
+            given.pop("block_size", None)
+        values = {**_DECLARED, **given}
+        hidden, layers = values["hidden_size"], values["num_hidden_layers"]
+        values.update(
+            head_dim=values["head_dim"] if values["head_dim"] is not None else hidden // values["num_attention_heads"],
+            rope_parameters=_rope_parameters(rope_theta, values["rope_parameters"]),
+            layer_types=list(values["layer_types"]) if values["layer_types"] is not None else ["full_attention"] * layers,
+            block_size=int(values["block_size"]),
+            target_layer_ids=list(values["target_layer_ids"]) if values["target_layer_ids"] is not None else None,
+            correct_first_slot=bool(values["correct_first_slot"]),
+            context_bigrams=bool(values["context_bigrams"]),
+            corpus_bigrams=int(values["corpus_bigrams"]) if values["corpus_bigrams"] is not None else None,
+            lilicorr_hidden_size=int(values["lilicorr_hidden_size"]) or hidden,  # 0 means the drafter's width
+        )
+        if corrector_class(values["corrector_type"]).sized_by_block and values["lilicorr_block_size"] is None:
+            values["lilicorr_block_size"] = values["block_size"]  # the head is sized for the block it is built to draft
+        for name in ("lilicorr_block_size", "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"):
+            values[name] = int(values[name]) if values[name] is not None else None
+        for name in ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale"):
+            values[name] = float(values[name])
+        for name, value in values.items():
+            setattr(self, name, value)
         # Decoding choices a config.json written before they moved to generation_config.json still holds.
         self.legacy_decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
         kwargs.setdefault("tie_word_embeddings", False)
@@ -336,6 +259,17 @@ class DCOCOConfig(PreTrainedConfig):
     def check_corrector_fields(self) -> None:
         """Raise a ValueError naming the bad corrector field and the fix (the corrector checks its own fields)."""
         corrector_class(self.corrector_type).check_config(self)
+
+
+# Each field's default and checked type, as declared on DCOCOConfig (the one place a field is named, typed and
+# defaulted); `rope_theta` is the older spelling of a RoPE setting.
+CONFIG_FIELDS = tuple(DCOCOConfig.__annotations__)
+_DECLARED = {name: getattr(DCOCOConfig, name) for name in CONFIG_FIELDS}
+_FIELD_TYPES = {
+    name: _KINDS[annotation.removesuffix(" | None")]
+    for name, annotation in {**DCOCOConfig.__annotations__, "rope_theta": "float"}.items()
+    if annotation.removesuffix(" | None") in _KINDS
+}
 
 
 @dataclass(frozen=True)
@@ -410,4 +344,4 @@ def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] |
     return params
 
 
-__all__ = ["DCOCOConfig", "DecodingChoices"]
+__all__ = ["CONFIG_FIELDS", "DCOCOConfig", "DecodingChoices"]

@@ -28,7 +28,6 @@ point) and carries the corrector's settings and decoding choices under `dcoco_co
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 from pathlib import Path
@@ -38,10 +37,10 @@ from safetensors.torch import save_file
 
 from .block_choice import check_block_size
 from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
-from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig
+from .configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
 from .corrector import DCOCOCorrector
 from .correctors import corrector_class
-from .modeling_dcoco import DCOCODrafter, check_compatible
+from .drafter import DCOCODrafter, check_compatible
 from .vllm_plugin import ARCHITECTURE as VLLM_ARCHITECTURE
 
 FORMATS = ("dflash", "vllm")
@@ -263,8 +262,7 @@ def corrector_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -
 
 def dcoco_fields(config: DCOCOConfig) -> dict:
     """The drafter's config as `DCOCOConfig(**fields)` rebuilds it inside vLLM (constructor arguments only)."""
-    names = set(inspect.signature(DCOCOConfig.__init__).parameters) - {"self", "kwargs"}
-    return {k: v for k, v in config.to_dict().items() if k in names and v is not None}
+    return {k: v for k, v in config.to_dict().items() if k in CONFIG_FIELDS and v is not None}
 
 
 def decoding_fields(drafter: DCOCODrafter) -> dict:

@@ -76,7 +76,8 @@ from .hf_compat import cache_kwargs, output_cache
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
-    from .modeling_dcoco import DCOCODrafter, DraftProposal
+    from .drafting import AttachedDrafter as DCOCODrafter
+    from .drafting import DraftProposal
 
 # Compact both caches once masked columns (left padding + holes) exceed this fraction of them: a gather of the whole
 # cache, paid rarely, against attention over the wasted columns in every later forward.

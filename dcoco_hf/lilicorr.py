@@ -46,6 +46,7 @@ the public format has no place for it, and exporting drops it (with a warning), 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ from torch.nn import functional as F
 from transformers import initialization as init
 
 from .corrector import Corrector, CorpusBigrams, zero_linear
-from .logs import logger
 
 PUBLIC_ARCHITECTURE = "LiLiCorrDraftModel"
 PUBLIC_PREFIX = "lilicorr."
@@ -75,6 +75,8 @@ NUM_CANDIDATE_FEATURES = 5  # [log p, p, log p - max log p, rank fraction, is to
 # stored as is would need ~1/lr steps to open, and the softmax over the scores would stay flat (temperature
 # ~1/(lr * steps)) for most of a short training run; stored this way it opens in tens of steps.
 GATE_RATE = 100.0
+
+logger = logging.getLogger("dcoco_hf")
 
 
 class LiLiCorrAttention(nn.Module):

@@ -52,7 +52,7 @@ from .logs import logger
 from .proposal import COST_SCHEDULE, CycleCosts
 
 if TYPE_CHECKING:
-    from .modeling_dcoco import DCOCODrafter
+    from .drafting import AttachedDrafter as DCOCODrafter
 
 # Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
 _CACHE_VERSION = 2

@@ -1,34 +1,23 @@
-"""Refresh the code files of a drafter folder from the package (a Hub folder carries its own copy of the code).
+"""Refresh the code files of a drafter folder from the package (a Hub folder carries its own copy of the network).
 
     python scripts/sync_model_card.py [model_cards/dcoco-smollm2-135m ...]
 
-The files copied are modeling_dcoco.py and every package module it imports, directly or not: remote code must be
-self-contained, and transformers refuses a folder that lacks a module one of its files imports.
+The files are the network's: modeling_dcoco.py and every package module it imports (`network_code_files`), which the
+folder's auto_map names; transformers refuses a folder that lacks a module one of its files imports. Other .py files
+in the folder (code the network no longer imports) are removed. The runtime is the installed dcoco-hf package.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import shutil
 from pathlib import Path
 
-import dcoco_hf
-
-PACKAGE = Path(dcoco_hf.__file__).parent
-_RELATIVE_IMPORT = re.compile(r"^\s*from \.(\w+) import", re.MULTILINE)
+from dcoco_hf.drafter import network_code_files, save_network_code
 
 
-def remote_code_files(entry: str = "modeling_dcoco.py") -> list[str]:
-    """`entry` and the package modules it reaches through relative imports, sorted."""
-    found, todo = set(), [entry]
-    while todo:
-        name = todo.pop()
-        if name in found:
-            continue
-        found.add(name)
-        todo += [f"{module}.py" for module in _RELATIVE_IMPORT.findall((PACKAGE / name).read_text())]
-    return sorted(found)
+def remote_code_files() -> list[str]:
+    """The file names a drafter folder carries, sorted."""
+    return [path.name for path in network_code_files()]
 
 
 def main() -> None:
@@ -38,8 +27,10 @@ def main() -> None:
     for card in parser.parse_args().cards:
         if not (card / "config.json").exists():
             parser.error(f"{card}: no config.json there; pass a drafter folder (save_pretrained output)")
-        for name in remote_code_files():
-            shutil.copyfile(PACKAGE / name, card / name)
+        for stale in sorted(set(card.glob("*.py")) - {card / name for name in remote_code_files()}):
+            stale.unlink()
+            print(f"removed {stale}")
+        for name in save_network_code(card):
             print(f"copied {name} -> {card}")
 
 

@@ -232,14 +232,14 @@ def test_stop_strings_on_the_default_target_stop_where_plain_generate_does(stop)
 @pytest.mark.parametrize("path", ["assisted", "batched"])
 def test_no_device_sync_in_the_hot_path_unless_timing_was_asked(fitted, path, monkeypatch):
     """On a GPU each sync stalls the pipeline: drafting and the tap wait for the device only with time_phases."""
-    import dcoco_hf.modeling_dcoco as modeling
+    import dcoco_hf.drafter as drafting
     import dcoco_hf.tap as tap
 
     target, drafter = fitted
     waits = []
     # as if on a GPU: every sync asked for with timing on is counted
     fake = lambda device, timed=True: (lambda: waits.append(1)) if timed else (lambda: None)  # noqa: E731
-    monkeypatch.setattr(modeling, "device_sync", fake)
+    monkeypatch.setattr(drafting, "device_sync", fake)
     monkeypatch.setattr(tap, "device_sync", fake)
     ids = _prompt(target, 4)
     _call(path, target, drafter, ids)

@@ -34,3 +34,25 @@ def test_decoding_switches_are_checked():
     for name in ("use_corrector", "time_phases"):
         with pytest.raises(ValueError, match=f"{name}='yes'"):
             DecodingChoices.read({name: "yes"}, config)
+
+
+def test_each_field_is_declared_once():
+    """A field is named, typed and defaulted in DCOCOConfig's declarations only: the constructor names no field of
+    its own, every declared default is what a bare config holds, and a value of the wrong type is refused by name."""
+    import inspect
+
+    from dcoco_hf.configuration_dcoco import CONFIG_FIELDS
+
+    assert set(inspect.signature(DCOCOConfig.__init__).parameters) == {"self", "rope_theta", "dflash_config", "kwargs"}
+    bare = DCOCOConfig(target_layer_ids=[0])
+    derived = {"head_dim", "rope_parameters", "layer_types", "target_layer_ids"}  # filled in from other fields
+    for name in set(CONFIG_FIELDS) - derived:
+        assert getattr(bare, name) == getattr(DCOCOConfig, name), name
+    assert bare.head_dim == bare.hidden_size // bare.num_attention_heads
+    assert bare.layer_types == ["full_attention"] * bare.num_hidden_layers
+    for name in CONFIG_FIELDS:  # every field round-trips through config.json's dict
+        assert getattr(DCOCOConfig(**bare.to_dict()), name) == getattr(bare, name), name
+    with pytest.raises(ValueError, match="top_k"):
+        DCOCOConfig(target_layer_ids=[0], top_k="4")
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DCOCOConfig(target_layer_ids=["a"])

@@ -7,19 +7,22 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import dcoco_hf
 
 PACKAGE = Path(dcoco_hf.__file__).parent
-# What configuration_dcoco.py may import: the walk names it checks a selection against, the corrector registry that
-# validates corrector_type, and the parser of public LiLiCorr checkpoints' fields (each free of runtime code).
-CONFIG_IMPORTS = {"dcoco_hf.corrector", "dcoco_hf.correctors", "dcoco_hf.lilicorr"}
-# The model file still imports the runtime it drives (`attach`, `generate`): these edges close the only loops left
-# (the runtime modules name `DCOCODrafter` in their type hints). Each goes once that code moves out of the model;
-# the list may only shrink (a listed edge that no longer exists fails the test, so it is taken off).
-MODEL_TO_RUNTIME = {
-    ("dcoco_hf.modeling_dcoco", "dcoco_hf.candidate_generator"),
-    ("dcoco_hf.modeling_dcoco", "dcoco_hf.tuning"),
+# The network a Hub folder carries (`modeling_dcoco.py` and what it imports): no runtime module among them, so a
+# folder holds the model code only and the runtime comes from the installed package.
+NETWORK_MODULES = {
+    "dcoco_hf.modeling_dcoco",
+    "dcoco_hf.configuration_dcoco",
+    "dcoco_hf.corrector",
+    "dcoco_hf.correctors",
+    "dcoco_hf.lilicorr",
+    "dcoco_hf.hf_compat",
 }
+HUB_FOLDER_MAX_PY_FILES = 6
 
 
 def module_name(path: Path) -> str:
@@ -89,11 +92,7 @@ def test_graph_sees_every_kind_of_import():
 
 
 def test_no_import_cycle():
-    graph = import_graph()
-    for source, target in MODEL_TO_RUNTIME:
-        assert target in graph[source], f"{source} no longer imports {target}: take it off MODEL_TO_RUNTIME"
-        graph[source] = graph[source] - {target}
-    cycle = find_cycle(graph)
+    cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
@@ -102,5 +101,27 @@ def test_cycle_finder_reports_a_loop():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_configuration_imports_leaf_helpers_only():
-    assert import_graph()["dcoco_hf.configuration_dcoco"] <= CONFIG_IMPORTS
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo += sorted(graph.get(node, ()))
+    return seen
+
+
+@pytest.mark.parametrize("module", ["dcoco_hf.modeling_dcoco", "dcoco_hf.configuration_dcoco"])
+def test_model_files_import_no_runtime_module(module):
+    """The network and its configuration reach only network modules, through any chain of imports."""
+    runtime = reachable(import_graph(), module) - NETWORK_MODULES
+    assert not runtime, f"{module} reaches runtime modules {sorted(runtime)}"
+
+
+def test_hub_folders_carry_the_network_only():
+    """Each shipped drafter folder holds the network's code and nothing else (at most 6 .py files)."""
+    network = {name.rpartition(".")[2] + ".py" for name in NETWORK_MODULES}
+    assert len(network) <= HUB_FOLDER_MAX_PY_FILES
+    for card in sorted((PACKAGE.parent / "model_cards").glob("*/config.json")):
+        shipped = {path.name for path in card.parent.glob("*.py")}
+        assert shipped == network, f"{card.parent.name}: {sorted(shipped ^ network)} (run scripts/sync_model_card.py)"

@@ -1,7 +1,8 @@
 """The shipped drafter folder: Hub-ready, loadable with trust_remote_code, and its code in sync with the package.
 
-A Hub folder must carry its own copy of the modeling code (`trust_remote_code`); these tests fail as soon as the
-package code changes without the copy being refreshed (`python scripts/sync_model_card.py`).
+A Hub folder carries its own copy of the network's code (`trust_remote_code`; the runtime is the installed package);
+these tests fail as soon as the package code changes without the copy being refreshed
+(`python scripts/sync_model_card.py`).
 """
 
 from __future__ import annotations

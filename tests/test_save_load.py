@@ -15,14 +15,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
-from dcoco_hf import DCOCOCandidateGenerator, DCOCODrafter
+from dcoco_hf import DCOCOCandidateGenerator, DCOCOConfig, DCOCODrafter
 from dcoco_hf.candidate_generator import DraftContextCache
 from dcoco_hf.training import target_context
 
-CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "candidate_generator.py")
+# A saved folder carries the network's code only; the runtime (candidate_generator.py and the rest) is the package's.
+CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "correctors.py", "lilicorr.py",
+              "hf_compat.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
-    "AutoModel": "modeling_dcoco.DCOCODrafter",
+    "AutoModel": "modeling_dcoco.DCOCODraftModel",
 }
 DRAFTER_KEY = re.compile(r"^(fc\.weight|hidden_norm\.weight|norm\.weight|layers\.\d+\.[\w.]+|corrector\.[\w.]+)$")
 
@@ -85,6 +87,7 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
 
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", *CODE_FILES} <= names, names
+    assert {name for name in names if name.endswith(".py")} == set(CODE_FILES)
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP
     assert config["model_type"] == "dcoco" and config["architectures"] == ["DCOCODrafter"]
@@ -100,9 +103,10 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
     assert {key.split(".")[0] for key in keys} == {"fc", "hidden_norm", "layers", "norm", "corrector"}
     assert not any(VOCAB in shape for shape in shapes.values()), "the target's embedding / lm_head leaked into the file"
 
+    # With the package imported, the Auto classes build the package's classes for the folder's model type, also
+    # with trust_remote_code: the runtime is the installed one, whatever code the folder carries.
     auto_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    assert type(auto_config).__name__ == "DCOCOConfig"
-    assert type(auto_config).__module__.startswith("transformers_modules")
+    assert type(auto_config) is DCOCOConfig
     assert auto_config.to_dict()["target_layer_ids"] == [1] and auto_config.top_k == 4
 
     reference = _proposals(drafter, llama)
@@ -110,15 +114,69 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
     with pytest.raises(ValueError, match="AutoModelForCausalLM"):  # a drafter cannot generate alone
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     loaded = AutoModel.from_pretrained(folder, trust_remote_code=True)
-    assert type(loaded).__name__ == "DCOCODrafter" and type(loaded) is not DCOCODrafter
-    assert type(loaded).__module__.startswith("transformers_modules"), type(loaded).__module__
+    assert type(loaded) is DCOCODrafter
     for key, value in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     assert loaded.attach(llama) is loaded
     _assert_same_proposals(_proposals(loaded, llama), reference)
     assert _greedy_equal(llama, loaded) == reference_outputs
-    assert loaded.generation_stats().cycles > 0  # the remote-code copy really drafted
+    assert loaded.generation_stats().cycles > 0
     assert any(not torch.equal(p.chosen, torch.zeros_like(p.chosen)) for p in reference)  # the corrector acted
+
+
+_NETWORK_ALONE = """
+import sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+folder, target_folder, inputs, out = sys.argv[1:]
+network = AutoModel.from_pretrained(folder, trust_remote_code=True)
+target = AutoModelForCausalLM.from_pretrained(target_folder)
+assert "dcoco_hf" not in sys.modules, "the folder's code imported the package"
+try:
+    network.attach(target)
+except RuntimeError as error:
+    message = str(error)
+network.bind_target(target)
+x = torch.load(inputs)
+with torch.no_grad():
+    hidden = network(x["embeds"], x["context"], x["positions"]).last_hidden_state
+    logits, columns = network.proposal_logits(hidden[:, 1:])
+    candidates, candidate_logits, log_probs = network.slot_candidates(logits, columns)
+    _, scores = network.score_candidates(hidden, x["anchor"], candidates, candidate_logits, log_probs)
+torch.save({"class": type(network).__module__ + "." + type(network).__name__, "message": message,
+            "hidden": hidden, "candidates": candidates, "scores": scores}, out)
+"""
+
+
+def test_folder_code_alone_is_the_network(tmp_path, llama):
+    """A saved folder's own code, loaded where the package is not imported, is the network: the same forward,
+    candidates and transition scores as the package's drafter, and `attach` says the runtime is the package."""
+    import subprocess
+    import sys
+
+    drafter = scrambled(DCOCODrafter.from_target(llama, num_hidden_layers=2, block_size=5, top_k=4), seed=2)
+    drafter.save_pretrained(tmp_path / "drafter")
+    llama.save_pretrained(tmp_path / "target")
+    torch.manual_seed(0)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    anchor = torch.randint(0, VOCAB, (2,))
+    block = torch.cat([anchor[:, None], torch.full((2, 4), drafter.config.mask_token_id)], dim=1)
+    inputs = {"embeds": drafter.embed(block).detach(), "context": torch.randn(2, 3, width),
+              "positions": torch.arange(3 + 5).expand(2, -1), "anchor": anchor}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", _NETWORK_ALONE, str(tmp_path / "drafter"), str(tmp_path / "target"),
+                    str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], check=True, cwd=tmp_path)
+    alone = torch.load(tmp_path / "out.pt")
+    assert alone["class"].startswith("transformers_modules") and alone["class"].endswith(".DCOCODraftModel")
+    assert "pip install dcoco-hf" in alone["message"]
+    with torch.no_grad():
+        hidden = drafter(inputs["embeds"], inputs["context"], inputs["positions"]).last_hidden_state
+        logits, columns = drafter.proposal_logits(hidden[:, 1:])
+        candidates, candidate_logits, log_probs = drafter.slot_candidates(logits, columns)
+        _, scores = drafter.score_candidates(hidden, anchor, candidates, candidate_logits, log_probs)
+    torch.testing.assert_close(alone["hidden"], hidden, rtol=1e-5, atol=1e-5)
+    assert torch.equal(alone["candidates"], candidates)
+    torch.testing.assert_close(alone["scores"], scores, rtol=1e-4, atol=1e-4)
+    assert scores.abs().sum() > 0  # a scrambled corrector: the folder's corrector code really scored
 
 
 DECODING = ("selection", "geometric_lambda", "block_tau")

@@ -71,7 +71,7 @@ class Corrector(nn.Module):
     `CorpusBigrams`) serves the anchor -> slot 1 pairs and the slot pairs (half the small ops per draft).
     """
 
-    # The candidates' log-probabilities under each slot's softmax (`DCOCODrafter.slot_candidates`).
+    # The candidates' log-probabilities under each slot's softmax (`DCOCODraftModel.slot_candidates`).
     reads_log_probs: ClassVar[bool] = False
     # The fused target context of the position before the block (`DCOCODrafter.anchor_rows`).
     reads_anchor_state: ClassVar[bool] = False
