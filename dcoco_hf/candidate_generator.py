@@ -17,11 +17,8 @@ probability q_target(y) and resamples from q_target restricted to v != y, which 
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
-from collections.abc import Callable
-from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -428,68 +425,6 @@ def cut_at_stop(
         if tokens_before_stop(criteria, input_ids, candidate, scores, vocab_size) == 1:
             return candidate
     return tokens[:, :1]
-
-
-def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | None:
-    """The stopping criteria of the `generate()` call now asking this drafter for candidates, or None.
-
-    transformers hands candidate generators neither the criteria nor the tokenizer that `stop_strings` need; they
-    are a local of `_assisted_decoding` (transformers 5.17-5.25), a few frames up the stack from the drafter's
-    `generate()`. Reading them there is the only way to honour custom criteria and stop strings exactly
-    (`tokens_before_stop`); when transformers changes that layout, `DCOCODrafter.generate` refuses stop strings
-    instead of silently running past them.
-    """
-    criteria = _assisted_decoding_local("stopping_criteria", max_depth)
-    return criteria if isinstance(criteria, StoppingCriteriaList) else None
-
-
-def assisted_loop_scores(max_depth: int = 8) -> tuple[torch.Tensor, ...] | None:
-    """The `scores` the assisted loop now asking for candidates passes its stopping criteria: None unless the call
-    asked for `output_scores` (and `return_dict_in_generate`), else its tuple of processed target scores so far."""
-    scores = _assisted_decoding_local("scores", max_depth)
-    return scores if isinstance(scores, tuple) else None
-
-
-def _assisted_decoding_local(name: str, max_depth: int) -> Any:
-    """A local of the `_assisted_decoding` frame a few frames up the stack, or None (see
-    `assisted_stopping_criteria`)."""
-
-    def local(frame: FrameType) -> tuple[Any] | None:  # found: the first such frame's local, None or not
-        return (frame.f_locals.get(name),) if frame.f_code.co_name == "_assisted_decoding" else None
-
-    found = _up_the_stack(sys._getframe(2), max_depth, local)
-    return None if found is None else found[0]
-
-
-def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
-    """transformers' `AssistedCandidateGenerator` now calling the drafter's `generate()`, or None.
-
-    It asks the drafter for `num_assistant_tokens` tokens each cycle and, when that is 0, runs a plain step without
-    asking (transformers 5.x, `_calculate_new_tokens`): the only way an assistant can take a plain step, since it
-    may not return an empty proposal. It is the caller a few frames up the stack; when transformers changes that
-    layout the cost-aware schedule proposes at least one token every cycle instead (still lossless).
-    """
-
-    def driver(frame: FrameType) -> AssistedCandidateGenerator | None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, AssistedCandidateGenerator) and isinstance(owner.num_assistant_tokens, int | float):
-            return owner
-        return None
-
-    return _up_the_stack(sys._getframe(1), max_depth, driver)
-
-
-def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[FrameType], Any]) -> Any:
-    """The first `read(frame)` that is not None, from `frame` up at most `max_depth` frames; else None. The one
-    place that reads transformers' internals off the call stack."""
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        value = read(frame)
-        if value is not None:
-            return value
-        frame = frame.f_back
-    return None
 
 
 def one_hot_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.FloatTensor:

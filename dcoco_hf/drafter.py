@@ -35,18 +35,19 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import cached_file
 
-from .candidate_generator import (
-    DCOCOCandidateGenerator,
-    assisted_driver,
-    assisted_loop_scores,
-    assisted_stopping_criteria,
-)
+from .candidate_generator import DCOCOCandidateGenerator
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache
 from .corrector import select_candidates
 from .device import device_sync
 from .drafting import DraftProposal
-from .hf_compat import cache_kwargs, output_cache
+from .hf_compat import (
+    assisted_driver,
+    assisted_loop_scores,
+    assisted_stopping_criteria,
+    cache_kwargs,
+    output_cache,
+)
 from .lilicorr import is_public_folder, save_public
 from .logs import log, logger
 from .modeling_dcoco import DCOCODraftModel
@@ -378,7 +379,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             self, generation_config, correct=correct, stopping_criteria=criteria, driver=assisted_driver()
         )
         weakref.finalize(handle, engine.end_call)
-        self._last_engine = engine
+        self.keep_call_statistics(engine)
         return handle
 
     def _claim(self, call: "_Call") -> None:
@@ -403,6 +404,11 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         finally:
             if self._running is not None and self._running() is call:
                 self._running = None
+
+    def keep_call_statistics(self, call: Any) -> None:
+        """Make `call` what `generation_stats()` reads: the last generate() call's engine, or the batched loop's
+        run (each has `stats` and `close(sequences)`)."""
+        self._last_engine = call
 
     def generation_stats(self, sequences: torch.LongTensor | None = None):
         """Statistics of the last `target.generate(..., assistant_model=self)` call.

@@ -191,7 +191,7 @@ def speculative_generate(
         target, drafter, input_ids, kwargs.get("attention_mask"), logits_processor, stopping_criteria,
         generation_config, correct, selection, output_cache(kwargs),
     )
-    drafter._last_engine = _BatchedRun(stats, sequences)  # read by drafter.generation_stats()
+    drafter.keep_call_statistics(_BatchedRun(stats, sequences))
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences

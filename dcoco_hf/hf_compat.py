@@ -1,5 +1,5 @@
-"""What differs between the transformers releases dcoco-hf supports (pyproject: 5.17 up to the newest tested): the one
-place that asks which release is installed, so the rest of the package is written once.
+"""The adapter to transformers: what differs between the releases dcoco-hf supports (pyproject: 5.17 up to the newest
+tested), the one place that asks which release is installed, so the rest of the package is written once.
 
 * 5.24 renamed the key-value cache from `past_key_values` to `cache`: in model and mask-function keywords, in model
   outputs and in what an assistant's `generate()` hands back to the assisted loop. 5.24+ still accept the old
@@ -8,15 +8,26 @@ place that asks which release is installed, so the rest of the package is writte
   the drafter must not propose past an EOS there.
 * 5.24 lets assisted generation run on a static cache (`cache_implementation="static"`, a `StaticCache`); older
   releases refuse it in `_assisted_decoding`.
+
+It is also the one place that reads transformers' internals: the assisted loop's stopping criteria, its scores and
+the `AssistedCandidateGenerator` driving the drafter, which no candidate generator is handed, read off the call
+stack (`assisted_stopping_criteria`, `assisted_loop_scores`, `assisted_driver`). tests/test_hf_compat.py checks each
+against the installed release; CI runs it on the oldest and the newest supported one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -42,13 +53,6 @@ def output_cache(output: Any) -> Any:
     return getattr(output, CACHE_KEY, None)
 
 
-def cache_argument(cache: Any, kwargs: dict[str, Any]) -> Any:
-    """The cache a forward of ours was given, by either name: transformers < 5.24 passes `past_key_values=` (its
-    DFlash path calls the drafter's forward so)."""
-    legacy = kwargs.pop("past_key_values", None)
-    return cache if cache is not None else legacy
-
-
 def assisted_loop_cuts_at_eos() -> bool:
     """Whether this transformers' assisted loop drops the accepted tokens after an EOS itself."""
     return TRANSFORMERS_VERSION.release >= ASSISTED_EOS_CUT.release
@@ -69,8 +73,73 @@ def require_assisted_static_cache(what: str) -> None:
         )
 
 
+# ---------------------------------------------------------------- the assisted loop's locals, read off the stack
+
+def assisted_stopping_criteria(max_depth: int = 8) -> StoppingCriteriaList | None:
+    """The stopping criteria of the `generate()` call now asking this drafter for candidates, or None.
+
+    transformers hands candidate generators neither the criteria nor the tokenizer that `stop_strings` need; they
+    are a local of `_assisted_decoding` (transformers 5.17-5.25), a few frames up the stack from the drafter's
+    `generate()`. Reading them there is the only way to honour custom criteria and stop strings exactly
+    (`tokens_before_stop`); when transformers changes that layout, `DCOCODrafter.generate` refuses stop strings
+    instead of silently running past them.
+    """
+    criteria = _assisted_decoding_local("stopping_criteria", max_depth)
+    return criteria if isinstance(criteria, StoppingCriteriaList) else None
+
+
+def assisted_loop_scores(max_depth: int = 8) -> tuple[torch.Tensor, ...] | None:
+    """The `scores` the assisted loop now asking for candidates passes its stopping criteria: None unless the call
+    asked for `output_scores` (and `return_dict_in_generate`), else its tuple of processed target scores so far."""
+    scores = _assisted_decoding_local("scores", max_depth)
+    return scores if isinstance(scores, tuple) else None
+
+
+def _assisted_decoding_local(name: str, max_depth: int) -> Any:
+    """A local of the `_assisted_decoding` frame a few frames up the stack, or None (see
+    `assisted_stopping_criteria`)."""
+
+    def local(frame: FrameType) -> tuple[Any] | None:  # found: the first such frame's local, None or not
+        return (frame.f_locals.get(name),) if frame.f_code.co_name == "_assisted_decoding" else None
+
+    found = _up_the_stack(sys._getframe(2), max_depth, local)
+    return None if found is None else found[0]
+
+
+def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
+    """transformers' `AssistedCandidateGenerator` now calling the drafter's `generate()`, or None.
+
+    It asks the drafter for `num_assistant_tokens` tokens each cycle and, when that is 0, runs a plain step without
+    asking (transformers 5.x, `_calculate_new_tokens`): the only way an assistant can take a plain step, since it
+    may not return an empty proposal. It is the caller a few frames up the stack; when transformers changes that
+    layout the cost-aware schedule proposes at least one token every cycle instead (still lossless).
+    """
+
+    def driver(frame: FrameType) -> AssistedCandidateGenerator | None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, AssistedCandidateGenerator) and isinstance(owner.num_assistant_tokens, int | float):
+            return owner
+        return None
+
+    return _up_the_stack(sys._getframe(1), max_depth, driver)
+
+
+def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[FrameType], Any]) -> Any:
+    """The first `read(frame)` that is not None, from `frame` up at most `max_depth` frames; else None. The one
+    place that reads transformers' internals off the call stack."""
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        value = read(frame)
+        if value is not None:
+            return value
+        frame = frame.f_back
+    return None
+
+
 __all__ = [
     "ASSISTED_EOS_CUT", "ASSISTED_STATIC_CACHE", "CACHE_KEY", "TRANSFORMERS_VERSION", "assisted_loop_cuts_at_eos",
-    "assisted_static_cache", "cache_argument", "cache_kwargs",
-    "output_cache", "require_assisted_static_cache",
+    "assisted_static_cache", "cache_kwargs",
+    "assisted_driver", "assisted_loop_scores", "assisted_stopping_criteria", "output_cache",
+    "require_assisted_static_cache",
 ]

@@ -20,7 +20,6 @@ NETWORK_MODULES = {
     "dcoco_hf.corrector",
     "dcoco_hf.correctors",
     "dcoco_hf.lilicorr",
-    "dcoco_hf.hf_compat",
 }
 HUB_FOLDER_MAX_PY_FILES = 6
 

@@ -36,7 +36,6 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from .configuration_dcoco import DCOCOConfig
 from .corrector import ContextBigrams, CorpusBigrams, Corrector
 from .correctors import corrector_class
-from .hf_compat import cache_argument
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
@@ -250,7 +249,7 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
             `last_hidden_state` [B, Q, H] after the final norm, ready for the target's lm_head, and `context_states`
             [B, N, H], the fused context rows.
         """
-        cache = cache_argument(cache, kwargs)
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)  # transformers < 5.24's name
         context = self.fuse_target_states(context_hidden_states)
         hidden = noise_embeds.to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden, position_ids)
