@@ -128,3 +128,50 @@ def test_lilicorr_tables_are_their_json_files(source):
     for segments in report["segments"].values():
         for methods in segments.values():
             assert all(m["equal_to_vanilla"] == 1.0 for m in methods.values() if m["prompts"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("card", [CARD, ROOT / "model_cards" / "lilicorr-smollm2-135m"], ids=lambda p: p.name)
+def test_the_folders_own_code_drafts_what_the_package_drafts(card):
+    """The network class a shipped folder's code builds (what a Hub user without the package gets), given the
+    shipped weights and the real target's states, picks the same candidates, transition scores and drafts as the
+    package's `DCOCODrafter.propose`."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from dcoco_hf import DCOCODrafter, DraftContextCache, select_candidates
+    from dcoco_hf.training import target_context
+
+    target, tokenizer = load_default_target()
+    drafter = DCOCODrafter.from_pretrained(card).attach(target, tune=False).eval()
+    network_class = get_class_from_dynamic_module("modeling_dcoco.DCOCODraftModel", str(card))
+    assert network_class.__module__.startswith("transformers_modules")
+    network = network_class(network_class.config_class.from_pretrained(card)).eval()
+    network.load_state_dict(drafter.state_dict())  # a head-only folder's backbone comes from its base drafter
+    network.bind_target(target)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    block, decoding = drafter.config.block_size, drafter.decoding
+    with torch.no_grad():
+        sequences = target.generate(ids, max_new_tokens=24, do_sample=False)
+        states, _ = target_context(target, drafter.config.target_layer_ids, sequences)
+        for cut in range(ids.shape[1] + 2, sequences.shape[1], 5):
+            anchor, context, committed = sequences[:, cut - 1], states[:, : cut - 1], sequences[:, :cut]
+            positions = torch.arange(cut - 1 + block)[None]
+            reference = drafter.propose(anchor, context, positions, DraftContextCache(), context_ids=committed)
+
+            mask = torch.full((1, block - 1), drafter.config.mask_token_id)
+            out = network(network.embed(torch.cat([anchor[:, None], mask], 1)), context, positions)
+            hidden = out.last_hidden_state
+            logits, columns = network.proposal_logits(hidden[:, 1:])
+            candidates, candidate_logits, log_probs = network.slot_candidates(logits, columns)
+            reads_anchor = network.corrector.reads_anchor_state
+            first, scores = network.score_candidates(
+                hidden, anchor, candidates, candidate_logits, log_probs, context_ids=committed,
+                anchor=network.anchor_rows(out.context_states, positions) if reads_anchor else None,
+            )
+            first = first if first is not None else candidate_logits[:, 0]
+            chosen = select_candidates(decoding.selection, scores.float(), first.float(), decoding.geometric_lambda)
+            assert torch.equal(candidates, reference.candidates)
+            torch.testing.assert_close(scores, reference.transition_scores, rtol=1e-4, atol=1e-4)
+            assert torch.equal(candidates.gather(-1, chosen[..., None]).squeeze(-1), reference.tokens)
+    assert cut > ids.shape[1] + 10  # several drafts compared
