@@ -59,6 +59,7 @@ from .cpu_linear import few_rows_plan
 from .export import add_export_parser
 from .plots import require_matplotlib
 from .precision import describe_quantization
+from .stats import DCOCOStats
 from .tuning import cpu_name
 
 
@@ -168,6 +169,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def blocks_drafted(stats: DCOCOStats | None, block_size: int) -> str:
+    """The blocks a call drafted, as the summary names them: "blocks of 4", or "blocks of 2-8 per cycle, mostly 6"
+    when the cost-aware schedule chose several; `block_size` when the call kept no statistics."""
+    drafts = {block: n for block, n in enumerate(stats.drafted_blocks) if n} if stats is not None else {}
+    if len(drafts) <= 1:
+        return f"blocks of {next(iter(drafts), block_size)}"
+    return f"blocks of {min(drafts)}-{max(drafts)} per cycle, mostly {max(drafts, key=drafts.get)}"
+
+
 def generate_summary(
     dcoco: RunRecord,
     plain: RunRecord,
@@ -191,8 +201,8 @@ def generate_summary(
     else:
         same = f"{'yes' if identical else 'no'} (sampling: lossless in distribution, not token for token)"
     return "\n".join([
-        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} (blocks of {block_size}: {mean:.2f} drafted tokens accepted "
-        "per verification)",
+        f"dcoco:          {speed(dcoco)}, tau {tau:.2f} ({blocks_drafted(dcoco.dcoco, block_size)}: {mean:.2f} drafted "
+        "tokens accepted per verification)",
         f"plain generate: {speed(plain)}",
         f"speedup {dcoco.new_tokens / dcoco.seconds / (plain.new_tokens / plain.seconds):.2f}x over plain generate "
         f"(tokens/s, same run); outputs identical: {same}",

@@ -546,3 +546,16 @@ def test_ctrl_c_during_bench_reports_the_finished_prompts(tiny, monkeypatch):
     report = json.loads(json_path.read_text())
     assert report["config"]["interrupted_after_prompts"] == 1 and len(report["runs"]) == 2
     assert "dcoco" in result.out
+
+
+def test_the_summary_names_the_blocks_each_call_drafted():
+    from dcoco_hf.cli import blocks_drafted
+    from dcoco_hf.stats import DCOCOStats
+
+    stats = DCOCOStats()
+    assert blocks_drafted(stats, 8) == "blocks of 8"  # nothing drafted: the configured block
+    stats.drafted_blocks = [0, 0, 3, 0, 0, 0, 9, 0, 1]
+    assert blocks_drafted(stats, 8) == "blocks of 2-8 per cycle, mostly 6"
+    stats.drafted_blocks = [0, 0, 0, 0, 5]
+    assert blocks_drafted(stats, 8) == "blocks of 4"
+    assert blocks_drafted(None, 3) == "blocks of 3"
