@@ -330,6 +330,10 @@ class ProposalSchedule:
     _loop_samples: int = field(default=0, repr=False)
     _block_samples: dict[int, int] = field(default_factory=dict, repr=False)
 
+    def cycle_seconds(self, block: int) -> list[float]:
+        """The modelled wall time of a cycle drafting `block` and proposing k of it, for k = 0 .. block - 1."""
+        return [self.costs.cycle(k, block) + self.loop_for(block) for k in range(block)]
+
     def loop_for(self, block: int) -> float:
         """The time outside the modelled forwards of a cycle drafting `block`: its own cycles', else every cycle's."""
         return self.block_loop.get(block, self.loop_seconds)
@@ -349,10 +353,9 @@ class ProposalSchedule:
         if self.costs is None:
             k = len(totals) - 1
             return ProposalChoice(k, totals[k] / rows, 1.0)
-        loop = self.loop_for(block)
-        rates = [totals[k] / (self.costs.cycle(k, block) + loop) for k in range(1, len(totals))]
-        k = 1 + max(range(len(rates)), key=rates.__getitem__)
-        return ProposalChoice(k, totals[k] / rows, rates[k - 1] * (self.costs.plain + self.loop_seconds) / rows)
+        seconds = self.cycle_seconds(block)
+        k = fastest_length(totals, seconds)
+        return ProposalChoice(k, totals[k] / rows, totals[k] / seconds[k] * (self.costs.plain + self.loop_seconds) / rows)
 
     def plan_draft(self, recent: float, draftable: float, cap: int, floor: float) -> DraftPlan:
         """Before a draft: the timed block (at most cap + 1: the anchor and `cap` slots) of most expected tokens per
@@ -373,10 +376,10 @@ class ProposalSchedule:
         plain = self.costs.plain + self.loop_seconds
         best = DraftPlan(sizes[0], -1.0)
         for block in sizes:
-            costs = [self.costs.cycle(k, block) + self.loop_for(block) for k in range(block)]  # [k]
+            costs = self.cycle_seconds(block)  # [k]
             tokens = seconds = 0.0
             for expected in forecasts:
-                k = max(range(1, min(len(expected), block)), key=lambda k: expected[k] / costs[k])
+                k = fastest_length(expected, costs)
                 tokens, seconds = tokens + expected[k], seconds + costs[k]
             if tokens / seconds * plain > best.gain:
                 best = DraftPlan(block, tokens / seconds * plain)
@@ -390,6 +393,12 @@ class ProposalSchedule:
         if block is not None:
             samples = self._block_samples[block] = self._block_samples.get(block, 0) + 1
             self.block_loop[block] = _running_mean(self.loop_for(block), seconds, samples)
+
+
+def fastest_length(expected: Sequence[float], seconds: Sequence[float]) -> int:
+    """The proposal length k >= 1 of most expected tokens (`expected[k]`) per second (`seconds[k]`), the shorter on
+    a tie; k stops where either list does."""
+    return max(range(1, min(len(expected), len(seconds))), key=lambda k: expected[k] / seconds[k])
 
 
 def _running_mean(mean: float, sample: float, samples: int) -> float:
