@@ -123,7 +123,7 @@ def run_batch_bench(
             f"{m} {s['tokens_per_s']:.1f} tok/s (tau {s['tau']:.2f})" for m, s in results[str(batch_size)].items()
         ))
     config = {"batch_sizes": list(batch_sizes), "methods": list(methods), "prompts": len(prompts),
-              "max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": drafter.config.block_size,
+              "max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": drafter.draft_block_size,
               "device": str(device), "dtype": str(target.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads()}
     return {"config": config, "results": results}

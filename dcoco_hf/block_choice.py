@@ -44,28 +44,26 @@ if TYPE_CHECKING:
 
 
 def check_block_size(drafter: DCOCODrafter, block_size: int) -> None:
-    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the largest it was trained on
-    (`config.max_block_size`, else `config.block_size`), since a longer block would ask for slots it never learned."""
-    largest = drafter.config.largest_block_size
+    """Raise ValueError unless the drafter can draft blocks of `block_size`: at most the block it was trained on
+    (`config.block_size`), since a longer block would ask for slots it never learned."""
+    largest = drafter.config.block_size
     if not 2 <= block_size <= largest:
         raise ValueError(
-            f"block size {block_size}: must lie in [2, {largest}], the largest block this drafter was trained on "
-            "(config.max_block_size, else config.block_size). A drafter predicts no slot beyond the blocks it was "
-            "trained with; if it was trained on longer blocks (its model card says which), record the longest as "
-            "max_block_size in its config.json"
+            f"block size {block_size}: must lie in [2, {largest}], the block this drafter was trained on "
+            "(config.block_size). A drafter predicts no slot beyond the blocks it was trained with; if it was "
+            "trained on longer blocks (its model card says which), record the longest as block_size in its "
+            "config.json"
         )
 
 
 def set_block_size(drafter: DCOCODrafter, block_size: int) -> None:
-    """Draft blocks of `block_size` (anchor + block_size - 1 slots); see `check_block_size`.
+    """Draft blocks of `block_size` (anchor + block_size - 1 slots) where no schedule plans the block per cycle, and
+    propose at most block_size - 1 tokens per cycle; see `check_block_size`.
 
-    Choosing a block never shrinks what the drafter can draft: the largest trained block is recorded as
-    `max_block_size` before `block_size` changes, so a later call may go back up to it."""
+    It is a decoding choice: transformers reads the draft length from the assistant's generation config
+    (`num_assistant_tokens`), and `drafter.draft_block_size` follows it. The architecture's `config.block_size`
+    stays, so a later call may go back up to it."""
     check_block_size(drafter, block_size)
-    config = drafter.config
-    config.max_block_size = config.largest_block_size
-    config.block_size = block_size
-    # transformers reads the draft length from the assistant's generation config.
     drafter.generation_config.num_assistant_tokens = block_size - 1
 
 
@@ -75,12 +73,12 @@ def block_size_for_call(drafter: DCOCODrafter | None, block_size: int | None) ->
     if block_size is None or drafter is None:
         yield
         return
-    saved = drafter.config.block_size, drafter.generation_config.num_assistant_tokens
+    saved = drafter.generation_config.num_assistant_tokens
     set_block_size(drafter, block_size)
     try:
         yield
     finally:
-        drafter.config.block_size, drafter.generation_config.num_assistant_tokens = saved
+        drafter.generation_config.num_assistant_tokens = saved
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""`DCOCOCandidateGenerator`: the speculation engine behind `target.generate(..., assistant_model=drafter)`.
+"""`DCOCOCandidateGenerator`: the adapter between transformers' assisted loop and the `SpeculationEngine`.
 
-One engine lives exactly as long as one target `generate()` call and holds all its state: the target hidden-state
-capture, the drafter's context cache and the statistics. It reaches `generate()` through transformers' public
-assisted-generation path (the drafter's `generate()` is called once per cycle, see `DCOCODrafter.generate`), so
-neither transformers nor the target's class is patched.
+`target.generate(..., assistant_model=drafter)` calls the drafter's `generate()` once per cycle (see
+`DCOCODrafter.generate`), which hands the cycle to this adapter; one adapter and its engine live exactly as long as
+one target `generate()` call, so neither transformers nor the target's class is patched. After each verification
+transformers reports its count of matches to its candidate generator (`update_candidate_strategy`), which the
+adapter forwards to the engine (`hf_compat.report_verifications`): acceptance is what transformers accepted.
 
 Target hidden states come from forward hooks on the target's decoder layers (`TargetTap`): they are exactly the
 states of the target's own verification forwards. A forward's rows become drafter context only where its token ids
@@ -29,23 +30,12 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
 )
 
-from .context_cache import DraftContextCache
-from .hf_compat import assisted_loop_cuts_at_eos
-from .proposal import (
-    COST_SCHEDULE,
-    DraftPlan,
-    chain_labels,
-    draftable_share,
-    fade_recent,
-    next_plain_run,
-    slot_confidence,
-    update_recent,
-)
+from .engine import SpeculationEngine
+from .hf_compat import assisted_loop_cuts_at_eos, report_verifications
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
-    from .drafting import DraftProposal
 
 
 class TapCounters(NamedTuple):
@@ -65,12 +55,13 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         generation_config: the target's generation config (unused beyond validation; kept for the transformers API).
         selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's (`decoding`).
         correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
-        driver: transformers' `AssistedCandidateGenerator` of the call (`assisted_driver`), through which the
-            cost-aware schedule takes plain steps (k = 0); None proposes at least one token every cycle.
+        stopping_criteria: the call's criteria; proposals stop before the first token at which one fires.
+        driver: transformers' `AssistedCandidateGenerator` of the call (`assisted_driver`): its verifications reach
+            `update_candidate_strategy` here, and through it the cost-aware schedule takes plain steps (k = 0).
+            None: whoever calls `get_candidates` reports each verification to `update_candidate_strategy`.
 
-    Each cycle proposes k tokens of the drafted block: under the cost-aware schedule (the default) it drafts the
-    block and proposes the k of most expected tokens per second (`proposal.py`), else it drafts the configured block
-    and proposes as many as transformers asks for (`num_assistant_tokens`, which the "heuristic" schedule moves).
+    Each cycle proposes k tokens of the drafted block (`SpeculationEngine.draft`), at most as many as transformers
+    asks for (`num_assistant_tokens`, which the "heuristic" schedule moves).
     """
 
     def __init__(
@@ -85,42 +76,34 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.target = drafter.target  # raises the clear "not attached" error
         self.tap = drafter.tap
-        self.selection = selection
-        self.correct = correct
+        self.engine = SpeculationEngine(drafter, rows=1, correct=correct, selection=selection)
         # transformers cuts accepted blocks at max_length (and, from 5.18, at EOS) itself; the others it checks only
         # per cycle.
         handled = (EosTokenCriteria, MaxLengthCriteria) if assisted_loop_cuts_at_eos() else (MaxLengthCriteria,)
         self.stopping_criteria = StoppingCriteriaList(c for c in stopping_criteria or () if not isinstance(c, handled))
-        self.cache = DraftContextCache()
         self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
-        self.stats = DCOCOStats(drafter.config.block_size, drafter.config.top_k)
-        self._pending_cycle: tuple[int, int, int, DraftProposal] | None = None  # (len, drafted, forwards, proposal)
+        self._length: int | None = None  # committed tokens when transformers last reported
+        self._pending: tuple[int, int, int] | None = None  # the cycle's (proposed, drafted block, tap forwards)
+        self._cycle_start: float | None = None  # when the previous verification was reported
         self._closed_sequence: torch.LongTensor | None = None
         self._last_committed: torch.LongTensor | None = None
-        self._slot_candidates: list[tuple[int, torch.Tensor]] = []  # (committed length, [S, K]) per cycle
         self._ended: TapCounters | None = None  # the tap's counters when the call ended
-        # Phase times on a GPU need a device sync per phase, which stalls it: only when asked (the bench asks).
-        self.timed = drafter.time_phases
-        generation = drafter.generation_config
-        self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
-        self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
+        self._plain_since_draft = 0  # plain steps taken since the last draft
+        self._draft_forwards = 0  # the tap's forward count at the last draft
         # Weak: transformers' generator holds our handle (as its assistant's cache), whose finaliser holds this engine.
-        self._driver = weakref.ref(driver) if driver is not None and self.schedule is not None else None
-        self._driver_tokens = driver.num_assistant_tokens if self._driver is not None else 0
-        self.recent = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0  # running slot-1 rate
-        self.plain_run = 0  # the last run of plain steps the schedule planned
-        self.plain_left = 0  # plain steps still to take before the next draft
-        self._unlabelled: list[tuple[int, list[int], list[float], list[float], float, float]] = []
-        ids = drafter.draft_token_ids
-        self.draft_vocabulary = frozenset(ids.tolist()) if ids is not None and self.schedule is not None else None
-        self._cycle_start: float | None = None  # when the previous get_candidates started
-        self._drafted = 0  # cycles drafted in this call
-        self._last_committed_tail: list[int] = []  # the newest committed tokens, read with a draft vocabulary
-        self._prompt_length: int | None = None  # of the call's prompt: its first draft's committed length
-        self._plain_since_draft = 0  # plain steps the schedule took since the last draft
-        self._plan: DraftPlan | None = None  # this cycle's block, and whether drafting is expected to pay
-        on_forward = self._on_target_forward if self._driver is not None else None
-        self.tap.listen(self, timed=self.timed, on_forward=on_forward)
+        self._driver = weakref.ref(driver) if driver is not None else None
+        self._driver_tokens = driver.num_assistant_tokens if driver is not None else 0
+        if driver is not None:
+            report_verifications(driver, self.update_candidate_strategy)
+        self.tap.listen(self, timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
+
+    @property
+    def stats(self) -> DCOCOStats:
+        return self.engine.stats[0]
+
+    @property
+    def cache(self):
+        return self.engine.cache
 
     def get_candidates(
         self,
@@ -142,99 +125,58 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 "states of known tokens and needs their ids. Pass input_ids (the prompt's token ids) instead."
             )
         committed = input_ids[0]
-        self._finish_cycle(committed)
-        self._label_drafts(committed)
-        if self._prompt_length is None:
-            self._prompt_length = committed.shape[0]
-        if self.draft_vocabulary is not None:  # the answer's tokens only: a chat template's are never drafted
-            answer = committed[self._prompt_length :]
-            self._last_committed_tail = answer[-_DRAFTABLE_WINDOW:].tolist()
-        draftable = draftable_share(self._last_committed_tail, self.draft_vocabulary)
-        context, positions = self._new_context(committed)
         length = committed.shape[0]
+        if self._length is None:
+            self._length = length  # the prompt: the engine counts answer tokens only
+        context, positions = self._new_context(committed)
         largest = self.drafter.config.block_size
         cap = largest - 1 if max_new_tokens is None else min(max_new_tokens, largest - 1)
-        self._plan = self.schedule.plan_draft(self.recent, draftable, cap, self.floor) if self.schedule else None
-        block = self._plan.block if self._plan is not None else largest
-        block_positions = torch.arange(length - 1, length - 1 + block, device=input_ids.device)
-        position_ids = torch.cat([positions, block_positions])[None]
-        proposal = self.drafter.propose(
-            committed[-1:], context[None], position_ids, self.cache, selection=self.selection, correct=self.correct,
-            context_ids=committed[None], timed=self.timed, block_size=block,
+        anchor_position = torch.tensor([length - 1], device=input_ids.device)
+        proposal, k = self.engine.draft(
+            committed[-1:], anchor_position, context[None], positions[None], [0], cap, context_ids=committed[None]
         )
-        self.stats.observe_drafted_block(block)
-        k = self._proposal_length(proposal, length, min(cap, block - 1), draftable)
         tokens = cut_at_stop(
             self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores,
             self.vocab_size,
         )
-        self.stats.drafter_seconds += proposal.backbone_seconds
-        self.stats.corrector_seconds += proposal.corrector_seconds
-        self._pending_cycle = (length, tokens.shape[1], self.tap.forward_count, proposal)
+        self._draft_forwards = self.tap.forward_count
+        self._pending = (tokens.shape[1], proposal.tokens.shape[1] + 1, self._draft_forwards)
         self._last_committed = committed
-        self._drafted += 1
         self._plain_since_draft = 0
+        driver = self.driver
+        if self.engine.plain_left and driver is not None:
+            driver.num_assistant_tokens = 0  # transformers then verifies no draft: a plain step
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
 
-    def _proposal_length(self, proposal: DraftProposal, length: int, cap: int, draftable: float) -> int:
-        """How many of the drafted tokens to propose (see the class docstring), and, under the cost-aware schedule,
-        how many plain steps to take before the next draft."""
-        if self.schedule is None:
-            return cap
-        confidence = slot_confidence(
-            proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
-        )[0].tolist()  # [S]
-        acceptance = self.schedule.acceptance
-        predicted = acceptance.predict(confidence, self.recent, draftable)
-        choice = self.schedule.choose(predicted, cap, self.floor, proposal.tokens.shape[1] + 1)
-        acceptance.note_drafted(confidence)
-        if self._drafted:  # the call's first draft precedes the prompt's forward: it has no context to go by
-            entry = (length, proposal.tokens[0].tolist(), confidence, predicted, self.recent, draftable)
-            self._unlabelled.append(entry)
-            self.plain_run = next_plain_run(self._plan.gain, self.plain_run)
-            driver = self.driver
-            if self.plain_run and driver is not None:
-                self.plain_left, driver.num_assistant_tokens = self.plain_run, 0
-        return choice.k
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        """transformers verified the cycle: `num_matches` proposed tokens were accepted and `input_ids` [1, L'] is the
+        committed sequence now. Books the cycle, times it, and after a planned run of plain steps drafts again."""
+        now = time.perf_counter()
+        started, self._cycle_start = self._cycle_start, now
+        length = self._length if self._length is not None else input_ids.shape[1]
+        new = input_ids[0, length:].tolist()
+        self._length = input_ids.shape[1]
+        pending, self._pending = self._pending, None
+        if pending is not None and self._tap_counters().forwards == pending[2]:
+            raise RuntimeError(
+                "The drafter's target ran no forward since the last draft: generate() was called on a different "
+                "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
+                "generate with."
+            )
+        proposed, block = (pending[0], pending[1]) if pending is not None else (0, None)
+        if pending is None:
+            self._plain_since_draft += 1
+        self.engine.verified([0], proposed, [int(num_matches)], [new])
+        if started is not None:  # the prompt's cycle is not timed: its prefill is no cycle cost
+            self.engine.observe_cycle_time(0, now - started, proposed, block, len(new))
+        driver = self.driver
+        if not self.engine.plain_left and driver is not None and driver.num_assistant_tokens == 0:
+            driver.num_assistant_tokens = self._driver_tokens
 
     @property
     def driver(self) -> AssistedCandidateGenerator | None:
         """transformers' generator of this call, while the call runs (see `assisted_driver`)."""
         return self._driver() if self._driver is not None else None
-
-    def _on_target_forward(self, width: int) -> None:
-        """After each target forward (the tap): count the plain steps taken instead of drafts, and draft again
-        after the planned run."""
-        if self.plain_left and width == 1:
-            self.plain_left -= 1
-            self._plain_since_draft += 1
-            self.stats.observe_plain_steps()
-            self.recent = fade_recent(self.recent, self.schedule.acceptance.prior[0])
-            driver = self.driver
-            if not self.plain_left and driver is not None:
-                driver.num_assistant_tokens = self._driver_tokens
-
-    def _label_drafts(self, committed: torch.LongTensor, final: bool = False) -> None:
-        """Teach the acceptance fit from the drafted blocks whose fate the committed text now settles: every slot
-        up to the first wrong one, proposed or not (`chain_labels`)."""
-        if not self._unlabelled:
-            return
-        # Only the positions the waiting blocks cover cross to the host, not the whole sequence every cycle.
-        start = min(entry[0] for entry in self._unlabelled)
-        end = max(entry[0] + len(entry[1]) for entry in self._unlabelled)
-        known = committed[start:end].tolist()
-        waiting = []
-        for entry in self._unlabelled:
-            length, proposed, confidence, predicted, recent, draftable = entry
-            labels = chain_labels(proposed, known[length - start : length - start + len(proposed)])
-            if not final and len(labels) < len(proposed) and all(labels):
-                waiting.append(entry)  # every slot so far right: the next ones are not committed yet
-                continue
-            if labels:
-                self.schedule.acceptance.observe(confidence, recent, labels, draftable)
-                self.stats.observe_prediction(predicted, labels)
-                self.recent = update_recent(self.recent, labels[0])
-        self._unlabelled = waiting
 
     def end_call(self) -> None:
         """The generate() call is over (returned or raised): stop recording the target, keep the statistics."""
@@ -243,16 +185,13 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self._ended = counters._replace(starts=list(counters.starts))  # frozen: a copy, not the tap's live list
         self.tap.stop(self)
 
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        """Unused: the engine learns from the committed text itself (`_label_drafts`), which also settles the slots
-        it drafted but did not propose; transformers calls the assisted generator's method, not this one."""
-
     @property
     def vocab_size(self) -> int:
         return self.target.get_output_embeddings().weight.shape[0]
 
     def close(self, sequences: torch.LongTensor) -> None:
-        """Account for the last cycle, which transformers ends without calling the drafter again.
+        """Settle the call's statistics: the drafted slots the committed text decides, candidate coverage and the
+        tap's forward counts.
 
         Raises if `sequences` did not come from this engine's generate() call (for instance a later call with too
         few new tokens to draft never consulted the drafter): statistics are never silently attributed to it.
@@ -262,9 +201,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 raise RuntimeError(_OTHER_CALL)
             return
         self._check_same_call(sequences[0])
-        self._finish_cycle(sequences[0], timed=False)  # transformers returned long after this cycle ended
-        self._label_drafts(sequences[0], final=True)
-        self._book_coverage(sequences[0])
+        self.engine.finish()
         self._closed_sequence = sequences[0].clone()
         counters = self._tap_counters()
         self.stats.target_forwards, self.stats.target_seconds = counters.forwards, counters.seconds
@@ -303,41 +240,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             return torch.zeros(0, width, device=device, dtype=self.drafter.dtype), committed.new_zeros(0)
         return torch.cat(rows), torch.cat(positions)
 
-    def _finish_cycle(self, committed: torch.LongTensor, timed: bool = True) -> None:
-        """Book the previous cycle now that its committed tokens are known: acceptance, and with `timed` its wall
-        time (since the previous draft; plain steps taken in between included)."""
-        now = time.perf_counter()
-        started, self._cycle_start = self._cycle_start, now
-        if self._pending_cycle is None:
-            return
-        length, drafted, forwards_before, proposal = self._pending_cycle
-        self._pending_cycle = None
-        forward_count = self._tap_counters().forwards
-        forwards = forward_count - forwards_before
-        if forwards == 0:
-            raise RuntimeError(
-                "The drafter's target ran no forward since the last draft: generate() was called on a different "
-                "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
-                "generate with."
-            )
-        new = committed.shape[0] - length
-        # Every target forward commits one token of its own: the first one after the draft verified it; the others
-        # were plain steps (the schedule's, or at the end of a call, when no room is left for a draft).
-        accepted = max(0, min(new - forwards, drafted))
-        self.stats.observe_draft(drafted, accepted, new)
-        self._slot_candidates.append((length, proposal.candidates[0]))
-        costs = self.schedule.costs if self.schedule is not None else None
-        if timed and costs is not None and started is not None and self._drafted > 1:
-            wall = now - started
-            block = proposal.tokens.shape[1] + 1
-            modelled = costs.cycle(drafted, block) + (forwards - 1) * costs.plain
-            self.schedule.observe_loop((wall - modelled) / forwards, block if forwards == 1 else None)
-            self.stats.plain_estimate_seconds += new * costs.plain
-            self.stats.cycle_wall_seconds += wall
-
     def _check_same_call(self, sequence: torch.LongTensor) -> None:
         forward_count, _, forward_starts, _ = self._tap_counters()
-        length, _, forwards_before, _ = self._pending_cycle or (0, 0, forward_count, None)
+        forwards_before = self._draft_forwards
         last = self._last_committed
         later_starts = forward_starts[forwards_before:]
         if forwards_before == 0:
@@ -353,15 +258,6 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         if not same:
             raise RuntimeError(_OTHER_CALL)
 
-    def _book_coverage(self, sequence: torch.LongTensor) -> None:
-        """Per drafted block: which of its candidates were the tokens finally committed there."""
-        for length, candidates in self._slot_candidates:  # candidates [S, K]
-            truth = sequence[length : length + candidates.shape[0]].to(candidates.device)
-            self.stats.observe_candidates(candidates[: truth.shape[0]] == truth[:, None])  # [s, K]
-        self._slot_candidates = []
-
-
-_DRAFTABLE_WINDOW = 8  # committed tokens whose share inside the draft vocabulary predicts the next ones
 
 _OTHER_CALL = (
     "These sequences did not come from the last generate() call that consulted this drafter (a call with fewer than 2 "

@@ -163,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         plain = runner.run("vanilla", "prompt", 0, input_ids)
     print()
     identical = dcoco.output == plain.output
-    block = loaded.drafter.config.block_size
+    block = loaded.drafter.draft_block_size
     quantization = describe_quantization(loaded.target)
     print(generate_summary(dcoco, plain, identical, settings.greedy, loaded.dtype_name, block, quantization))
     return 0
@@ -228,7 +228,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tuning = loaded.drafter.tuning if loaded.drafter is not None else None
     config_block = tuning.configured_block_size if tuning is not None else None
     choice = tuning.block_choice if tuning is not None else None
-    block_size = loaded.drafter.config.block_size if loaded.drafter is not None else None
+    block_size = loaded.drafter.draft_block_size if loaded.drafter is not None else None
     if args.full_vocab and loaded.drafter is not None:
         loaded.drafter.set_draft_vocabulary(None)
     settings = BenchSettings(

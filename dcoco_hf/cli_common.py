@@ -52,7 +52,7 @@ BLOCK_SIZE_HELP = (
     "draft block size (anchor + B-1 drafted tokens), or auto: the block of highest tau per cycle time on this "
     "machine (DScout's G = tau / T: tau as recorded in the drafter's block_tau, T timed at start-up; see "
     "dcoco_hf/block_choice.py). Default: auto when the drafter records block_tau, else its config block_size. "
-    "At most the largest block it was trained on (config.max_block_size, else block_size): a shorter block "
+    "At most the largest block it was trained on (config.block_size): a shorter block "
     "drops trailing mask slots, a longer one would ask for slots it never learned"
 )
 
@@ -469,7 +469,7 @@ def attach_drafter(
         )
     unsuffixed = any(m in DRAFTER_METHODS for m in methods)  # "dcoco" drafts the chosen block, "dcoco@3" its own
     auto = choose_block and unsuffixed and (requested == "auto" or (requested is None and recorded))
-    block = "auto" if auto else requested if isinstance(requested, int) else drafter.config.block_size
+    block = "auto" if auto else requested if isinstance(requested, int) else drafter.draft_block_size
     try:
         for size in named:
             check_block_size(drafter, size)
@@ -477,4 +477,4 @@ def attach_drafter(
     except ValueError as err:
         raise CLIError(f"the drafter does not fit the target or the block sizes asked for: {err}") from None
     if drafter.tuning.block_choice is not None:
-        log(f"block size {drafter.config.block_size} chosen:\n{drafter.tuning.block_choice.summary()}")
+        log(f"block size {drafter.draft_block_size} chosen:\n{drafter.tuning.block_choice.summary()}")

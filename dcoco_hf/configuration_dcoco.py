@@ -55,7 +55,7 @@ def _has_type(value: Any, kind: str) -> bool:
 
 def check_field_types(values: Mapping[str, Any]) -> None:
     """Raise a ValueError naming the first field of `values` (config.json's fields) whose value has the wrong type."""
-    for name, kind in _FIELD_TYPES.items():
+    for name, kind in {**_FIELD_TYPES, **_LEGACY_FIELD_TYPES}.items():
         value = values.get(name)
         if value is not None and not _has_type(value, kind):
             raise ValueError(f"config field {name}={value!r} must be {kind}; fix it in config.json.")
@@ -69,9 +69,11 @@ class DCOCOConfig(PreTrainedConfig):
         intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
         rms_norm_eps, rope_theta, rope_parameters, max_position_embeddings, attention_bias, attention_dropout:
             Qwen3-style decoder layers of the drafter backbone.
-        block_size: tokens per draft block: the anchor (last committed token) plus `block_size - 1` mask slots.
-        max_block_size: the largest block the drafter was trained to draft, when training covered several sizes
-            (mixed horizons); benchmarks may then draft any size up to it. None: `block_size` is the largest.
+        block_size: the block (anchor, i.e. the last committed token, plus `block_size - 1` mask slots) the drafter
+            was trained to draft, the longest it drafts; a LiLiCorr head is sized for it. Each cycle drafts a block
+            of at most this size: the cost-aware schedule plans one per cycle, and the generation config's
+            `num_assistant_tokens` (transformers' own name) caps the slots proposed. A config.json written with
+            the older `max_block_size` (the longest block of mixed-horizon training) loads with that as block_size.
         mask_token_id: token id whose (target) embedding fills the mask slots.
         target_layer_ids: 0-based target decoder layers whose outputs feed the drafter (`hidden_states[i + 1]`).
         num_target_layers: number of decoder layers of the target the drafter was built for.
@@ -95,8 +97,6 @@ class DCOCOConfig(PreTrainedConfig):
             written before this field loads as "dcoco") or "lilicorr" (`dcoco_hf/lilicorr.py`: one lattice transformer,
             cosine scores). Both feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
             loads as "lilicorr".
-        lilicorr_block_size: the largest block (anchor + slots) the LiLiCorr head serves; its slot embedding and
-            slot bias are sized for it. Default: `block_size` when the head is built.
         lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
         lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
             in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
@@ -134,7 +134,6 @@ class DCOCOConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     layer_types: list[str] | None = None
     block_size: int = 16
-    max_block_size: int | None = None
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
@@ -146,7 +145,6 @@ class DCOCOConfig(PreTrainedConfig):
     corpus_bigrams: int | None = None
     draft_vocab_size: int | None = None
     corrector_type: str = "dcoco"
-    lilicorr_block_size: int | None = None
     lilicorr_hidden_size: int = 128
     lilicorr_num_layers: int = 2
     lilicorr_num_heads: int = 4
@@ -163,6 +161,7 @@ class DCOCOConfig(PreTrainedConfig):
         spelling of `rope_parameters["rope_theta"]`; `dflash_config` is where public DFlash checkpoints keep their
         DFlash fields (and a public LiLiCorr checkpoint its head's), read when the top level lacks them."""
         given = {name: kwargs.pop(name) for name in _DECLARED if name in kwargs}
+        _read_legacy_block_sizes(given, kwargs)
         dflash_config = dict(dflash_config or {})
         for name in ("block_size", "mask_token_id", "target_layer_ids"):
             if given.get(name) is None and name in dflash_config:
@@ -184,10 +183,8 @@ class DCOCOConfig(PreTrainedConfig):
             corpus_bigrams=int(values["corpus_bigrams"]) if values["corpus_bigrams"] is not None else None,
             lilicorr_hidden_size=int(values["lilicorr_hidden_size"]) or hidden,  # 0 means the drafter's width
         )
-        if corrector_class(values["corrector_type"]).sized_by_block and values["lilicorr_block_size"] is None:
-            values["lilicorr_block_size"] = values["block_size"]  # the head is sized for the block it is built to draft
-        for name in ("lilicorr_block_size", "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"):
-            values[name] = int(values[name]) if values[name] is not None else None
+        for name in ("lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"):
+            values[name] = int(values[name])
         for name in ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale"):
             values[name] = float(values[name])
         for name, value in values.items():
@@ -205,20 +202,10 @@ class DCOCOConfig(PreTrainedConfig):
         output.pop("legacy_decoding", None)  # moved into the drafter's generation config, saved there
         return output
 
-    @property
-    def largest_block_size(self) -> int:
-        """The longest block this drafter may draft: `max_block_size` if training covered longer blocks than
-        `block_size`, the one it drafts by default; a LiLiCorr head also caps it at the block it is sized for."""
-        largest = max(self.block_size, self.max_block_size or 0)
-        return min(largest, self.lilicorr_block_size) if corrector_class(self.corrector_type).sized_by_block else largest
-
     def check_dcoco_fields(self) -> None:
         """Raise a ValueError naming the bad field and the fix."""
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
-        if self.max_block_size is not None and self.max_block_size < 2:
-            raise ValueError(f"max_block_size={self.max_block_size}: a block needs the anchor plus at least one mask "
-                             "slot (>= 2); use None when block_size is the largest trained block.")
         self.check_corrector_fields()
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
@@ -265,6 +252,8 @@ class DCOCOConfig(PreTrainedConfig):
 # defaulted); `rope_theta` is the older spelling of a RoPE setting.
 CONFIG_FIELDS = tuple(DCOCOConfig.__annotations__)
 _DECLARED = {name: getattr(DCOCOConfig, name) for name in CONFIG_FIELDS}
+# Fields older config.json files hold, read into the declared ones (`_read_legacy_block_sizes`).
+_LEGACY_FIELD_TYPES = {"max_block_size": _INT, "lilicorr_block_size": _INT}
 _FIELD_TYPES = {
     name: _KINDS[annotation.removesuffix(" | None")]
     for name, annotation in {**DCOCOConfig.__annotations__, "rope_theta": "float"}.items()
@@ -316,7 +305,7 @@ class DecodingChoices:
                                  'e.g. {"2": 1.6, "3": 2.0}; use None when it was not measured.')
             # JSON keys are strings, so the table is keyed by str(B) whichever way it was written.
             block_tau = {str(b): float(t) for b, t in sorted((int(b), t) for b, t in block_tau.items())}
-            largest = config.largest_block_size
+            largest = config.block_size
             bad = {b: t for b, t in block_tau.items() if not (2 <= int(b) <= largest and 1.0 <= t <= int(b))}
             if bad or not block_tau:
                 raise ValueError(
@@ -332,6 +321,18 @@ class DecodingChoices:
 
 
 DECODING_FIELDS = tuple(field.name for field in fields(DecodingChoices))
+
+
+def _read_legacy_block_sizes(given: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Fold the block sizes older config.json files kept beside `block_size` into it: `max_block_size` (the longest
+    block of mixed-horizon training, block_size then the default drafted one) and `lilicorr_block_size` (the block a
+    LiLiCorr head is sized for, which its weights fix)."""
+    longest, head = kwargs.pop("max_block_size", None), kwargs.pop("lilicorr_block_size", None)
+    check_field_types({"max_block_size": longest, "lilicorr_block_size": head})
+    if head is not None:
+        given["block_size"] = head
+    elif longest is not None:
+        given["block_size"] = max(int(given.get("block_size") or 0), longest)
 
 
 def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] | None) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 `attach(target)` checks the pair, borrows the target's embedding and lm_head, taps its hidden states (`tap.py`) and
 tunes both for the device (`tuning.py`); `target.generate(**inputs, assistant_model=drafter)` then speculates
-losslessly through one `DCOCOCandidateGenerator` per call (`candidate_generator.py`), each cycle drafting a block and
-correcting it (`propose`). Loading and saving also live here: public DFlash folders and their draft vocabulary
+losslessly through one `DCOCOCandidateGenerator` per call (`candidate_generator.py`) and its `SpeculationEngine`
+(`engine.py`), each cycle drafting a block and correcting it (`propose`). Loading and saving also live here: public DFlash folders and their draft vocabulary
 (`d2t`), public LiLiCorr folders, head-only folders naming a base drafter (`config.base_drafter`).
 
 A Hub folder carries the network's code only; `import dcoco_hf` registers this class for the folder's model type, so
@@ -42,6 +42,7 @@ from .corrector import select_candidates
 from .device import device_sync
 from .drafting import DraftProposal
 from .hf_compat import (
+    TRANSFORMERS_VERSION,
     assisted_driver,
     assisted_loop_scores,
     assisted_stopping_criteria,
@@ -199,6 +200,14 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         return self.decoding.time_phases
 
     @property
+    def draft_block_size(self) -> int:
+        """The block a cycle drafts where no schedule plans it per cycle (the constant and heuristic schedules, and
+        `propose`'s default): the generation config's drafts per cycle (`num_assistant_tokens`, transformers' own
+        name; `set_block_size`) plus the anchor, at most the trained `config.block_size`."""
+        slots = getattr(self.generation_config, "num_assistant_tokens", None) or self.config.block_size - 1
+        return max(2, min(int(slots) + 1, self.config.block_size))
+
+    @property
     def proposal_schedule_name(self) -> str:
         """How each cycle's proposal length is chosen (`generation_config.num_assistant_tokens_schedule`): "cost"
         (the default: the length of most expected tokens per second, `proposal.py`), "constant" (every slot of the
@@ -293,11 +302,11 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             context_valid: [B, L] False at padding of `context_ids`, or None when every position is a token.
             timed: wait for the device before reading the clock, so the phase times are exact on a GPU (on CPU they
                 are exact either way); without it nothing here waits for the device.
-            block_size: the block to draft (anchor + slots), at most `config.largest_block_size`; default
-                `config.block_size`. The cost-aware schedule drafts a block per cycle.
+            block_size: the block to draft (anchor + slots), at most `config.block_size`; default
+                `draft_block_size`. The cost-aware schedule drafts a block per cycle.
         """
         cfg = self.config
-        block_size = block_size or cfg.block_size
+        block_size = block_size or self.draft_block_size
         sync = device_sync(anchor_ids.device, timed)
         start = time.perf_counter()
         mask_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), cfg.mask_token_id)
@@ -372,11 +381,18 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
                 "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
                 "criteria could not be found); drop stop_strings or cut the text after generate()."
             )
+        driver = assisted_driver()
+        if driver is None:
+            raise RuntimeError(
+                f"transformers {TRANSFORMERS_VERSION}'s assisted loop could not be found calling the drafter, so its "
+                "verifications cannot reach it. dcoco-hf supports the transformers releases in its pyproject.toml; "
+                "install one of those, or use dcoco_hf.speculative_generate(target, input_ids, drafter=drafter)."
+            )
         handle = _EngineHandle()
         self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
         correct = self.decoding.use_corrector
         engine = handle.engine = DCOCOCandidateGenerator(
-            self, generation_config, correct=correct, stopping_criteria=criteria, driver=assisted_driver()
+            self, generation_config, correct=correct, stopping_criteria=criteria, driver=driver
         )
         weakref.finalize(handle, engine.end_call)
         self.keep_call_statistics(engine)

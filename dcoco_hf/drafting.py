@@ -66,6 +66,9 @@ class AttachedDrafter(Protocol):
     def time_phases(self) -> bool: ...
 
     @property
+    def draft_block_size(self) -> int: ...
+
+    @property
     def proposal_schedule_name(self) -> str: ...
 
     @property

@@ -50,7 +50,7 @@ DROPPED_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
 # Config fields that only our engine reads (the corrector and our drafting extensions). Our decoding choices
 # (generation_config.json: the walk, block_tau) are not written either.
 DCOCO_ONLY_FIELDS = ("top_k", "corrector_rank", "corrector_hidden", "correct_first_slot", "context_bigrams",
-                     "corpus_bigrams", "max_block_size")
+                     "corpus_bigrams")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

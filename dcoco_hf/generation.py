@@ -71,13 +71,12 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
 from .context_cache import DraftContextCache
-from .proposal import COST_SCHEDULE, fade_recent, next_plain_run, slot_confidence, update_recent
+from .engine import SpeculationEngine
 from .hf_compat import cache_kwargs, output_cache
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
-    from .drafting import DraftProposal
 
 # Compact both caches once masked columns (left padding + holes) exceed this fraction of them: a gather of the whole
 # cache, paid rarely, against attention over the wasted columns in every later forward.
@@ -224,7 +223,9 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     eos = config._eos_token_tensor  # None or [n_eos]
     pad = config._pad_token_tensor if config._pad_token_tensor is not None else torch.tensor(0, device=device)
     picker = _TokenPicker(logits_processor, config.do_sample)
-    stats = [DCOCOStats(drafter.config.block_size, drafter.config.top_k) for _ in range(batch)]
+    engine = SpeculationEngine(drafter, batch, correct=correct, selection=selection)
+    stats = engine.stats
+    cap = min(int(drafter.generation_config.num_assistant_tokens or slots), slots)  # drafts proposed per cycle
 
     # [B, L + T + S + 1] preallocated: every cycle writes its whole block (pad where not committed), no sync needed
     out = torch.cat([input_ids, pad.expand(batch, max_new + slots + 1)], dim=1)
@@ -235,8 +236,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     row_ids = list(range(batch))  # the same on the host: booking statistics per row needs no sync
     masks = _TargetMasks(target, longest=prompt_len + max_new + slots)
     cache = masks.new_cache()
-    dcache = DraftContextCache()
-    plan = _BatchPlan(drafter, batch)
+    dcache = engine.cache
 
     # Prefill: the prompts, then the first token chosen by the target itself (it becomes the first anchor).
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L] index in the unpadded sequence
@@ -248,9 +248,8 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     anchor = picker.at(input_ids, torch.full((batch,), prompt_len, device=device), rows)(logits)[:, 0]  # [B]
     anchor_pos = mask.sum(1)  # [B] the anchor's index in the unpadded sequence
     done, new = _commit(out, written, prompt_len, anchor[:, None], torch.ones_like(anchor), max_new, eos, pad, rows)
-    host = torch.stack([new, done.long(), anchor_pos]).tolist()  # the one host sync of the prefill
-    for row, count in zip(row_ids, host[0]):
-        stats[row].committed_tokens += count
+    host = torch.stack([new, done.long(), anchor_pos, anchor]).tolist()  # the one host sync of the prefill
+    engine.prefilled(row_ids, [[token] if count else [] for count, token in zip(host[0], host[3])])
     # committed [b]: each active row's committed tokens before its anchor, on the host; they are also the visible
     # columns of the target cache's key mask and of the drafter's context (cached rows + new rows).
     finished, committed = host[1], host[2]
@@ -271,30 +270,27 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
             anchor, anchor_pos, mask, dmask = anchor[keep], anchor_pos[keep], mask[keep], dmask[keep]
             ctx, ctx_mask, ctx_pos = ctx[keep], ctx_mask[keep], ctx_pos[keep]
 
-        if plan.plain_left:  # a plain step for every row: no draft, the anchor alone
-            plan.take_plain_step()
+        if engine.plain_left:  # a plain step for every row: no draft, the anchor alone
             proposal, drafts = None, anchor[:, None][:, :0]  # [b, 0]
         else:  # one drafter forward per cycle for all active rows
-            drafted = plan.block_to_draft(row_ids)  # anchor + slots
-            block_pos = anchor_pos[:, None] + offsets[:drafted]  # [b, drafted]
+            drafted = engine.draft_block(row_ids, cap)  # anchor + slots
             # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes
             # its unmasked path; else it gets the full mask, which it uses without first reading it for a masked key
             # (a sync, as for a key mask).
             if min(committed) == dmask.shape[1] + ctx_mask.shape[1]:
                 draft_mask = None
             else:
-                draft_mask = torch.cat([dmask, ctx_mask, torch.ones_like(block_pos)], dim=1)  # [b, cached + N + S + 1]
+                draft_mask = torch.cat([dmask, ctx_mask, ctx_mask.new_ones(len(row_ids), drafted)], dim=1)
                 draft_mask = draft_mask[:, None, None, :].expand(-1, 1, drafted, -1)  # [b, 1, drafted, ...]
             context_ids, context_valid = (
                 _committed(out, prompt_valid, written, rows) if drafter.config.context_bigrams else (None, None)
             )
-            proposal = drafter.propose(
-                anchor, ctx, torch.cat([ctx_pos, block_pos], 1), dcache, draft_mask, selection=selection,
-                correct=correct, context_ids=context_ids, context_valid=context_valid, timed=tap.timed,
-                block_size=drafted,
+            proposal, k = engine.draft(
+                anchor, anchor_pos, ctx, ctx_pos, row_ids, cap, draft_mask, context_ids=context_ids,
+                context_valid=context_valid,
             )
             dmask = torch.cat([dmask, ctx_mask], dim=1)  # [b, cached + N]
-            drafts = proposal.tokens[:, : plan.proposal_length(proposal, row_ids)]  # [b, k]
+            drafts = proposal.tokens[:, :k]  # [b, k]
         k = drafts.shape[1]
 
         # Verify: [anchor, drafts] for every row at its true positions; holes and padding are masked keys.
@@ -308,11 +304,10 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         anchor_pos = anchor_pos + accepted + 1  # [b] = committed tokens before the anchor = valid cache columns
         # The cycle's one host sync: how many drafts each row accepted decides how far the caches and masks grow
         # (their shapes, hence the next forward's), and finished rows leave the batch; both are read together.
-        host_accepted, host_new, finished, anchor_committed = torch.stack(
-            [accepted, new, done.long(), anchor_pos]
-        ).tolist()
-        _book(stats, row_ids, proposal, host_accepted, host_new, k)
-        plan.observe(row_ids, host_accepted, k)
+        # The target's tokens travel in the same read: the engine learns from the committed text.
+        host = torch.cat([torch.stack([accepted, new, done.long(), anchor_pos], dim=1), chosen], dim=1).tolist()
+        host_accepted, host_new, finished, anchor_committed = ([row[i] for row in host] for i in range(4))
+        engine.verified(row_ids, k, host_accepted, [row[4 : 4 + n] for row, n in zip(host, host_new)])
 
         # Keep the block columns some row accepted; the rest of the tail goes; shorter rows keep masked holes.
         valid = offsets[: k + 1] <= accepted[:, None]  # [b, k + 1] anchor + accepted drafts are committed inputs
@@ -330,6 +325,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
             mask, dmask = _compact(cache, mask, max(anchor_committed), dcache, dmask, max(committed))
         committed = anchor_committed
 
+    engine.finish()
     # The statistics count every committed token: the longest row without a sync.
     return out[:, : prompt_len + max(row.committed_tokens for row in stats)], stats
 
@@ -560,85 +556,6 @@ def _still_active(finished: list[int]) -> list[int] | None:
     if not any(finished):
         return None
     return [i for i, f in enumerate(finished) if not f]
-
-
-def _book(stats, row_ids: list[int], proposal, accepted, new, proposed: int) -> None:
-    """Per-row cycle statistics (drafter time is the batch's: every row waited for all of it); `proposal` None for
-    a plain step."""
-    for row, count, committed in zip(row_ids, accepted, new):
-        row_stats = stats[row]
-        if proposal is None:
-            row_stats.observe_plain_steps()
-            row_stats.committed_tokens += committed
-            continue
-        row_stats.observe_draft(proposed, count, committed)
-        row_stats.observe_drafted_block(proposal.tokens.shape[1] + 1)
-        row_stats.drafter_seconds += proposal.backbone_seconds
-        row_stats.corrector_seconds += proposal.corrector_seconds
-
-
-class _BatchPlan:
-    """The proposal length of each batched cycle: one k for every active row (one verify forward of k + 1 columns).
-
-    Under the cost-aware schedule (`proposal.py`), each cycle drafts the block that pays most for typical drafts,
-    k is the length of most expected tokens per second summed over the rows, and a cycle whose best proposal does not beat a plain step makes the next cycles plain steps, as on
-    the assisted path. The fit learns from the proposed slots (the batched loop does not keep the unproposed
-    ones), and reading the confidences costs one more host sync per drafted cycle. Other schedules propose every
-    slot, up to `num_assistant_tokens`."""
-
-    def __init__(self, drafter: DCOCODrafter, batch: int) -> None:
-        generation = drafter.generation_config
-        self.block = drafter.config.block_size
-        self.cap = min(int(generation.num_assistant_tokens or self.block - 1), self.block - 1)
-        self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
-        self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
-        prior = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0
-        self.recent = [prior] * batch  # per original row: its running slot-1 acceptance
-        self.plain_run = self.plain_left = 0
-        self._drafted: tuple[list[list[float]], list[list[float]]] | None = None  # (confidence, recent) per row
-        self._gain = 1.0
-
-    def take_plain_step(self) -> None:
-        self.plain_left -= 1
-        prior = self.schedule.acceptance.prior[0]
-        self.recent = [fade_recent(recent, prior) for recent in self.recent]
-
-    def block_to_draft(self, row_ids: list[int]) -> int:
-        """The block every row drafts this cycle: the configured one, or under the cost-aware schedule the one of
-        most expected tokens per second for recent drafts, at the rows' mean running acceptance (`plan_draft`)."""
-        if self.schedule is None:
-            return self.block
-        recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
-        plan = self.schedule.plan_draft(recent, 1.0, self.cap, self.floor)
-        self._gain = plan.gain
-        return plan.block
-
-    def proposal_length(self, proposal: DraftProposal, row_ids: list[int]) -> int:
-        drafted = proposal.tokens.shape[1]
-        if self.schedule is None:
-            return min(self.cap, drafted)
-        confidence = slot_confidence(
-            proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
-        ).tolist()  # [b][S]
-        recent = [self.recent[row] for row in row_ids]
-        acceptance = self.schedule.acceptance
-        predicted = [acceptance.predict(c, r) for c, r in zip(confidence, recent)]
-        choice = self.schedule.choose_batch(predicted, min(self.cap, drafted), self.floor, drafted + 1)
-        for row in confidence:
-            acceptance.note_drafted(row)
-        self._drafted = (confidence, recent)
-        return choice.k
-
-    def observe(self, row_ids: list[int], accepted: list[int], proposed: int) -> None:
-        """After a drafted cycle: teach the fit each row's proposed slots, and plan the next plain steps."""
-        if self._drafted is None:
-            return
-        for row, confidence, recent, count in zip(row_ids, *self._drafted, accepted):
-            labels = [True] * count + ([False] if count < proposed else [])
-            self.schedule.acceptance.observe(confidence, recent, labels)
-            self.recent[row] = update_recent(recent, labels[0])
-        self._drafted = None
-        self.plain_run = self.plain_left = next_plain_run(self._gain, self.plain_run)
 
 
 def _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache) -> None:

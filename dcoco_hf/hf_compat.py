@@ -11,14 +11,16 @@ tested), the one place that asks which release is installed, so the rest of the 
 
 It is also the one place that reads transformers' internals: the assisted loop's stopping criteria, its scores and
 the `AssistedCandidateGenerator` driving the drafter, which no candidate generator is handed, read off the call
-stack (`assisted_stopping_criteria`, `assisted_loop_scores`, `assisted_driver`). tests/test_hf_compat.py checks each
-against the installed release; CI runs it on the oldest and the newest supported one.
+stack (`assisted_stopping_criteria`, `assisted_loop_scores`, `assisted_driver`), and the verifications it reports
+to that generator only (`report_verifications`). tests/test_hf_compat.py checks each against the installed release;
+CI runs it on the oldest and the newest supported one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -124,6 +126,27 @@ def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
     return _up_the_stack(sys._getframe(1), max_depth, driver)
 
 
+def report_verifications(driver: AssistedCandidateGenerator, receiver: Callable[..., None]) -> None:
+    """Have the assisted loop's candidate generator (`driver`) pass each verification on to `receiver` too.
+
+    transformers 5.x calls `update_candidate_strategy(input_ids, scores, num_matches)` on its candidate generator
+    after every cycle, drafted or plain, with the committed sequence and the number of proposed tokens it accepted
+    (after its own cuts at max_length and EOS); the drafter behind an `AssistedCandidateGenerator` is never told.
+    This wraps that one generator object's method (not its class); `receiver` is held weakly, like the engine.
+    """
+    # Weak both ways: a strong self-reference would keep the generator, and with it the drafter's handle of the
+    # call, alive until the garbage collector runs, so the call would not end when generate() returns.
+    original, owner, method = type(driver).update_candidate_strategy, weakref.ref(driver), weakref.WeakMethod(receiver)
+
+    def update_candidate_strategy(input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        original(owner(), input_ids, scores, num_matches)
+        reported = method()
+        if reported is not None:
+            reported(input_ids, scores, num_matches)
+
+    driver.update_candidate_strategy = update_candidate_strategy
+
+
 def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[FrameType], Any]) -> Any:
     """The first `read(frame)` that is not None, from `frame` up at most `max_depth` frames; else None. The one
     place that reads transformers' internals off the call stack."""
@@ -140,6 +163,6 @@ def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[Frame
 __all__ = [
     "ASSISTED_EOS_CUT", "ASSISTED_STATIC_CACHE", "CACHE_KEY", "TRANSFORMERS_VERSION", "assisted_loop_cuts_at_eos",
     "assisted_static_cache", "cache_kwargs",
-    "assisted_driver", "assisted_loop_scores", "assisted_stopping_criteria", "output_cache",
+    "assisted_driver", "assisted_loop_scores", "assisted_stopping_criteria", "output_cache", "report_verifications",
     "require_assisted_static_cache",
 ]

@@ -1,8 +1,8 @@
 """`DCOCOStats`: the one record of what speculative decoding did in one or more generate() calls.
 
-Every counter is filled through an `observe_*` method by whoever sees the event: both engines (the assisted path's
-`DCOCOCandidateGenerator` and the batched `speculative_generate`) observe their own drafts and, at the end of a call,
-which committed tokens were in each slot's candidates; the benchmark observes the drafts of every method, DCOCO's or
+Every counter is filled through an `observe_*` method by whoever sees the event: the `SpeculationEngine` of a call
+(transformers' assisted loop or the batched `speculative_generate`) observes its drafts, what the target accepted
+and, at the end of the call, which committed tokens were in each slot's candidates; the benchmark observes the drafts of every method, DCOCO's or
 not, from its trace of target forwards. Rates (tau, per-slot and chain acceptance, the ceilings of tau) are read
 from the counters on demand, so merging runs is a sum and nothing is counted twice.
 
@@ -98,10 +98,10 @@ class DCOCOStats:
             self.slot_reached[slot] += slot <= accepted
             self.slot_accepted[slot] += slot < accepted
 
-    def observe_plain_steps(self, count: int = 1) -> None:
-        """Plain 1-token steps taken instead of a draft (proposal length 0); their tokens are counted by the next
-        `observe_draft`'s `committed`."""
+    def observe_plain_steps(self, count: int = 1, committed: int = 0) -> None:
+        """`count` plain 1-token steps taken instead of a draft (proposal length 0), committing `committed` tokens."""
         self._count_length(0, count)
+        self.committed_tokens += committed
 
     def observe_prediction(self, predicted: list[float], labels: list[bool]) -> None:
         """One drafted block's predicted chain acceptance per slot against what happened (`chain_labels`)."""

@@ -140,16 +140,16 @@ def tune(
     refresh: measure again and overwrite the cached measurements (e.g. ones taken while the machine was busy).
     """
     device = next(target.parameters()).device
-    configured = drafter.config.block_size
+    configured = drafter.draft_block_size
     auto = block_size == "auto"
     cost_aware = drafter.proposal_schedule_name == COST_SCHEDULE
     choices = candidate_block_sizes(drafter) if auto and drafter.decoding.block_tau is not None else []
     if not auto:
         set_block_size(drafter, int(block_size))
     elif cost_aware:  # up to the largest block; each cycle drafts the block, and proposes the share of it, that pays
-        set_block_size(drafter, drafter.config.largest_block_size)
-        choices = choices or draft_sizes(drafter.config.largest_block_size)
-    blocks = sorted({drafter.config.block_size, *choices, *extra_block_sizes})
+        set_block_size(drafter, drafter.config.block_size)
+        choices = choices or draft_sizes(drafter.config.block_size)
+    blocks = sorted({drafter.draft_block_size, *choices, *extra_block_sizes})
     on_cpu = device.type == "cpu"
     max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
@@ -178,7 +178,7 @@ def tune(
     if choices and not cost_aware:
         tuning.block_choice = choose_block_size(drafter, tuning.costs, choices)
         set_block_size(drafter, tuning.block_choice.block_size)
-    tuning.block_size = drafter.config.block_size
+    tuning.block_size = drafter.draft_block_size
     if path is not None and not tuning.from_cache:
         _write(path, tuning)
     return tuning

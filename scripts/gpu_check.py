@@ -449,10 +449,11 @@ def draft_seconds(drafter: DCOCODrafter, batch: int, context: int, reps: int, wa
     ids = torch.randint(1, cfg.vocab_size, (batch, context + 2), device=device)  # [B, N] committed tokens
     cache = DraftContextCache()
     with torch.no_grad():
-        positions = torch.arange(context + cfg.block_size, device=device).expand(batch, -1)
+        block = drafter.draft_block_size  # the block set_block_size chose
+        positions = torch.arange(context + block, device=device).expand(batch, -1)
         # Fills the cache with the context rows; context_ids feed a corrector that reads the committed text.
         drafter.propose(ids[:, context - 1], states[:, :context], positions, cache, context_ids=ids[:, :context])
-        positions = torch.arange(context, context + 2 + cfg.block_size, device=device).expand(batch, -1)
+        positions = torch.arange(context, context + 2 + block, device=device).expand(batch, -1)
         phases = []
         for _ in range(warmup + reps):
             out = drafter.propose(ids[:, -1], states[:, context:], positions, cache, context_ids=ids, timed=True)

@@ -290,7 +290,7 @@ def corrector_switch(args: argparse.Namespace) -> dict:
     if args.corrector == "dcoco":
         return {"corrector_type": "dcoco"}
     block = max(args.block_sizes or [args.draft_block_size or 0]) or None  # None: the drafter's block_size
-    return {"corrector_type": "lilicorr", "lilicorr_block_size": block, "context_bigrams": args.context_bigrams,
+    return {"corrector_type": "lilicorr", "block_size": block, "context_bigrams": args.context_bigrams,
             "corpus_bigrams": None, "correct_first_slot": False, "block_tau": None}
 
 

@@ -63,7 +63,7 @@ def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, capsys):
     assert _few_rows(target) and _few_rows(drafter)  # measured few-rows layouts for both
     assert tuning.target_layout and tuning.drafter_layout
     # The cost-aware schedule drafts the largest trained block and sizes each proposal from the costs timed here.
-    assert tuning.block_choice is None and drafter.config.block_size == drafter.config.largest_block_size
+    assert tuning.block_choice is None and drafter.draft_block_size == drafter.config.block_size
     assert tuning.costs is not None and tuning.costs.max_rows == drafter.config.block_size
     assert drafter.cycle_costs is tuning.costs
     assert tuning.cache_file is not None and tuning.cache_file.parent == tmp_path

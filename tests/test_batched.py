@@ -34,6 +34,7 @@ from transformers import LogitsProcessorList
 import dcoco_hf.generation as generation
 from dcoco_hf import CorpusBigrams, SpeculativeOutput, speculative_generate
 from dcoco_hf.cpu_linear import LAYOUTS
+from dcoco_hf.engine import SpeculationEngine
 from dcoco_hf.proposal import CycleCosts
 
 PAD = 0
@@ -202,6 +203,7 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedul
     reads = _HostReads()
     at_draft = []  # host reads so far, at each draft
     propose, tolist, loop = drafter.propose, torch.Tensor.tolist, generation._loop
+    finish = SpeculationEngine.finish
 
     def drafting(*args, **kwargs):
         at_draft.append(reads.count)
@@ -214,12 +216,16 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedul
     def counted(*args):
         with reads:
             result = loop(*args)
-        at_draft.append(reads.count)  # the last cycle's read comes before the loop ends
         return result
+
+    def settled(engine):  # after the last cycle: the statistics cross to the host once the call is over
+        at_draft.append(reads.count)
+        finish(engine)
 
     monkeypatch.setattr(drafter, "propose", drafting)
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     monkeypatch.setattr(generation, "_loop", counted)
+    monkeypatch.setattr(SpeculationEngine, "finish", settled)
     ids, mask = left_padded(3, lengths)
     common = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=PAD, eos_token_id=None)
     expected = target.generate(ids, **common)

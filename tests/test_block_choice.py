@@ -62,7 +62,7 @@ def test_cost_timing_leaves_the_drafter_as_it_was_and_is_monotone(fitted):
 
 def test_block_tau_is_checked_and_names_the_candidates():
     config = DCOCOConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=6, top_k=4,
+                         intermediate_size=64, num_hidden_layers=1, block_size=6, top_k=4,
                          target_layer_ids=[0])
     drafter = DCOCODrafter(config)
     with pytest.raises(ValueError, match="records no block_tau"):
@@ -79,7 +79,7 @@ def test_record_block_tau_script(tmp_path):
     """scripts/record_block_tau.py writes the dcoco@B taus of benches on the same prompts into generation_config.json
     (and moves an older config.json's decoding choices there)."""
     config = DCOCOConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, num_hidden_layers=1, block_size=3, max_block_size=4, top_k=4)
+                         intermediate_size=64, num_hidden_layers=1, block_size=4, top_k=4)
     config.save_pretrained(tmp_path / "drafter")
     config_path = tmp_path / "drafter" / "config.json"
     legacy = {"block_tau": {"2": 1.1}, "selection": "viterbi"}

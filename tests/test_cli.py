@@ -263,13 +263,19 @@ def test_bench_compares_block_sizes_interleaved(tiny):
 
 
 def test_a_drafter_trained_on_longer_blocks_drafts_them_on_request(tiny):
-    """With mixed-horizon training, config.block_size is the default block and max_block_size the longest trained:
-    the bench drafts any size up to it, and nothing longer."""
+    """A folder written before config.json held one block size (mixed-horizon training: block_size the default
+    block, max_block_size the longest trained, generation_config.json's num_assistant_tokens the default's slots)
+    loads with the longest as config.block_size and the default as the drafted block: the bench drafts any size up
+    to the longest, and nothing longer."""
     folder = tiny.root / "mixed-drafter"
     DCOCODrafter.from_pretrained(tiny.root / "drafter").save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"block_size": 3, "max_block_size": 6}))
-    assert DCOCODrafter.from_pretrained(folder).config.largest_block_size == 6
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(generation | {"num_assistant_tokens": 2}))
+    loaded = DCOCODrafter.from_pretrained(folder)
+    assert (loaded.config.block_size, loaded.draft_block_size) == (6, 3)
+    assert "max_block_size" not in loaded.config.to_dict()
     args = ["bench", "--target", tiny.root / "target", "--drafter", folder, "--prompts", tiny.prompts, "--limit", 1]
     result = run_cli(*args, "--max-new-tokens", 8, "--warmup", 0, "--methods", "vanilla,dcoco,dcoco@6",
                      "--json", tiny.root / "mixed.json")
@@ -291,7 +297,7 @@ def test_a_drafter_trained_on_longer_blocks_drafts_them_on_request(tiny):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--methods", "dcoco@9"], "must lie in [2, 8], the largest block this drafter was trained on"),
+        (["--methods", "dcoco@9"], "must lie in [2, 8], the block this drafter was trained on"),
         (["--methods", "vanilla@3"], "a block size suffix needs a drafter method"),
         (["--methods", "dcoco@1"], "a block of at least 2"),
         (["--methods", "dcoco@3", "--block-size", "4"], "use one or the other"),
@@ -419,7 +425,7 @@ def test_missing_default_drafter_says_pass_drafter(tiny, monkeypatch):
 
 def test_too_long_block_size_is_refused(tiny):
     result = run_cli("bench", *tiny.model_args, "--prompts", tiny.prompts, "--methods", "dcoco", "--block-size", 9)
-    assert result.code == 2 and "must lie in [2, 8], the largest block this drafter was trained on" in result.err
+    assert result.code == 2 and "must lie in [2, 8], the block this drafter was trained on" in result.err
 
 
 def test_missing_matplotlib_names_the_extra(tiny, monkeypatch):

@@ -20,7 +20,7 @@ from dcoco_hf import (
     select_candidates,
     viterbi_walk,
 )
-from dcoco_hf.candidate_generator import DraftContextCache
+from dcoco_hf.context_cache import DraftContextCache
 from dcoco_hf.training import target_context
 
 SELECTIONS = ("prefix_first", "viterbi", "geometric")

@@ -73,10 +73,17 @@ def test_target_layer_ids_out_of_range_in_config():
     assert DCOCOConfig(target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36).target_layer_ids[-1] == 33
 
 
-def test_max_block_size_below_a_block_is_refused():
-    with pytest.raises(ValueError, match=r"max_block_size=1: a block needs the anchor plus at least one mask slot"):
-        DCOCOConfig(block_size=4, max_block_size=1)
-    assert DCOCOConfig(block_size=4, max_block_size=3).largest_block_size == 4  # block_size is the longer one
+def test_older_block_size_fields_fold_into_block_size():
+    """config.json files once kept max_block_size (the longest block of mixed-horizon training) and
+    lilicorr_block_size (a LiLiCorr head's size) beside block_size: they load as the one block_size, checked."""
+    assert DCOCOConfig(block_size=3, max_block_size=6).block_size == 6
+    assert DCOCOConfig(block_size=4, max_block_size=3).block_size == 4  # block_size was the longer one
+    assert DCOCOConfig(block_size=8, lilicorr_block_size=4, corrector_type="lilicorr").block_size == 4  # the head's
+    assert "max_block_size" not in DCOCOConfig(block_size=3, max_block_size=6).to_dict()
+    with pytest.raises(ValueError, match=r"max_block_size='6' must be an integer"):
+        DCOCOConfig(block_size=3, max_block_size="6")
+    with pytest.raises(ValueError, match=r"block_size=1: a block needs the anchor plus at least one mask slot"):
+        DCOCOConfig(block_size=1, max_block_size=1)
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
@@ -134,10 +141,11 @@ def test_short_convolution_hybrid_is_accepted(monkeypatch):
 
     def oracle(self, anchor_ids, context, position_ids, *args, **kwargs):
         proposal = propose(self, anchor_ids, context, position_ids, *args, **kwargs)
-        start = int(position_ids[0, -self.config.block_size]) + 1  # position of the first drafted slot
-        truth = torch.cat([expected[0, start : start + slots], proposal.tokens[0]])[:slots]
+        drafted = proposal.tokens.shape[1]  # the block's slots (near the end a cycle may draft fewer)
+        start = int(position_ids[0, -drafted - 1]) + 1  # position of the first drafted slot
+        truth = torch.cat([expected[0, start : start + drafted], proposal.tokens[0]])[:drafted]
         spoil = len(calls) % (slots + 1)  # slots before `spoil` are right, the rest wrong
-        proposal.tokens = torch.where(torch.arange(slots) < spoil, truth, (truth + 1) % VOCAB)[None]
+        proposal.tokens = torch.where(torch.arange(drafted) < spoil, truth, (truth + 1) % VOCAB)[None]
         calls.append(spoil)
         return proposal
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from dcoco_hf import DCOCOCandidateGenerator, DCOCODrafter
-from dcoco_hf.candidate_generator import DraftContextCache
+from dcoco_hf.context_cache import DraftContextCache
 from dcoco_hf.export import export_dflash
 from dcoco_hf.training import target_context
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import PROMPT_LEN, VOCAB
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
@@ -67,6 +67,32 @@ def test_the_driving_assisted_candidate_generator_is_found(fitted, monkeypatch):
     seen = _spy(monkeypatch, "assisted_driver")
     _generate(target, drafter)
     assert len(seen) == 1 and isinstance(seen[0], AssistedCandidateGenerator)
+
+
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
+def test_every_verification_reaches_the_engine_with_transformers_matches(fitted, monkeypatch):
+    """The engine's acceptance is transformers' own count (`update_candidate_strategy`'s num_matches), cycle by
+    cycle, and the committed tokens it books are the sequence transformers returns."""
+    target, drafter = fitted  # the constant schedule: a draft every cycle but where none fits before max_length
+    reported, update = [], AssistedCandidateGenerator.update_candidate_strategy
+
+    def recording(self, input_ids, scores, num_matches):
+        reported.append(int(num_matches))
+        return update(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "update_candidate_strategy", recording)
+    accepted = []
+    for seed in range(4):
+        reported.clear()
+        ids = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+        stats = drafter.generation_stats(out)
+        assert len(reported) - 1 <= len(stats.accepted) <= len(reported)
+        assert stats.accepted == reported[: len(stats.accepted)]
+        assert stats.committed_tokens == out.shape[1] - PROMPT_LEN
+        accepted += stats.accepted
+    assert any(accepted)
 
 
 def test_nothing_is_found_outside_a_generate_call():

@@ -38,7 +38,7 @@ def lilicorr_setup():
 def lilicorr_copy(drafter: DCOCODrafter, target, **fields) -> DCOCODrafter:
     """The same backbone with a fresh (zero-gated) LiLiCorr head; `fields` set more config fields."""
     config = copy.deepcopy(drafter.config)
-    config.corrector_type, config.lilicorr_block_size = "lilicorr", config.block_size
+    config.corrector_type = "lilicorr"
     config.context_bigrams, config.corpus_bigrams = False, None
     for name, value in {**HEAD, **fields}.items():
         setattr(config, name, value)
@@ -143,7 +143,7 @@ def test_untrained_head_proposes_the_drafter_argmax(lilicorr_setup):
     ids = prompts(1)
     with torch.no_grad():
         states, _ = target_context(target, fresh.config.target_layer_ids, ids)
-    from dcoco_hf.candidate_generator import DraftContextCache
+    from dcoco_hf.context_cache import DraftContextCache
 
     positions = torch.arange(PROMPT_LEN - 1 + fresh.config.block_size)[None]
     args = (ids[:, -1], states[:, :-1], positions)
@@ -256,7 +256,7 @@ def test_save_in_public_format_round_trip(lilicorr_setup, tmp_path):
 def test_old_configs_load_as_dcoco():
     assert DCOCOConfig(target_layer_ids=[0]).corrector_type == "dcoco"
     config = DCOCOConfig.from_dict({"target_layer_ids": [0], "block_size": 4, "top_k": 4, "vocab_size": 48})
-    assert config.corrector_type == "dcoco" and config.largest_block_size == 4
+    assert config.corrector_type == "dcoco" and config.block_size == 4
     with pytest.raises(ValueError, match="corrector_type"):
         DCOCOConfig(target_layer_ids=[0], corrector_type="tree")
 
@@ -407,7 +407,7 @@ def test_evidence_head_drafts_losslessly_and_exports_as_the_plain_head(lilicorr_
     assert torch.equal(out.sequences[:, :expected.shape[1]], expected)
     with torch.no_grad():
         states, _ = target_context(target, drafter.config.target_layer_ids, ids[:1])
-    from dcoco_hf.candidate_generator import DraftContextCache
+    from dcoco_hf.context_cache import DraftContextCache
 
     positions = torch.arange(PROMPT_LEN - 1 + drafter.config.block_size)[None]
     args = (ids[:1, -1], states[:, :-1], positions)

@@ -97,7 +97,7 @@ def test_recorded_block_tau_is_the_block_size_bench():
         if name.startswith("dcoco@")
     }
     assert generation["block_tau"] == measured and "block_tau" not in config
-    assert sorted(map(int, measured)) == list(range(2, config["max_block_size"] + 1))
+    assert sorted(map(int, measured)) == list(range(2, config["block_size"] + 1))
 
 
 def test_readme_and_card_are_product_docs():
@@ -150,14 +150,16 @@ def test_the_folders_own_code_drafts_what_the_package_drafts(card):
     network.bind_target(target)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    block, decoding = drafter.config.block_size, drafter.decoding
+    block, decoding = drafter.draft_block_size, drafter.decoding
     with torch.no_grad():
         sequences = target.generate(ids, max_new_tokens=24, do_sample=False)
         states, _ = target_context(target, drafter.config.target_layer_ids, sequences)
         for cut in range(ids.shape[1] + 2, sequences.shape[1], 5):
             anchor, context, committed = sequences[:, cut - 1], states[:, : cut - 1], sequences[:, :cut]
             positions = torch.arange(cut - 1 + block)[None]
-            reference = drafter.propose(anchor, context, positions, DraftContextCache(), context_ids=committed)
+            reference = drafter.propose(
+                anchor, context, positions, DraftContextCache(), context_ids=committed, block_size=block
+            )
 
             mask = torch.full((1, block - 1), drafter.config.mask_token_id)
             out = network(network.embed(torch.cat([anchor[:, None], mask], 1)), context, positions)

@@ -21,6 +21,7 @@ from test_sampling import SETTINGS, speculative_samples
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import dcoco_hf.candidate_generator as candidate_generator
+import dcoco_hf.engine as engine_module
 from dcoco_hf import DCOCOStats
 from dcoco_hf.proposal import (
     MAX_PLAIN_RUN,
@@ -38,7 +39,7 @@ from dcoco_hf.proposal import (
 )
 
 # Cycle costs of three kinds of machine, in seconds (8 verify widths: the fitted drafter drafts blocks of 8).
-FREE_VERIFY = CycleCosts(verify=[1.0] * 8, draft={8: 0.01})  # a GPU: k = every slot
+FREE_VERIFY = CycleCosts(verify=[1.0] * 8, draft={8: 1e-9})  # a GPU: k = every slot, and drafting always pays
 NEVER_PAYS = CycleCosts(verify=[1.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0], draft={8: 5.0})  # drafting never wins a plain step
 CPU_LIKE = CycleCosts(verify=[1.0, 1.4, 1.6, 1.75, 1.9, 2.0, 2.1, 2.2], draft={8: 0.3})
 
@@ -264,7 +265,7 @@ def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch)
     """Alternate plain steps and whole blocks inside each call (k = 0 and k = max), with EOS and a custom stopping
     criterion landing anywhere."""
     target, drafter = fitted
-    monkeypatch.setattr(candidate_generator, "next_plain_run", lambda gain, run: 0 if run else 2)
+    monkeypatch.setattr(engine_module, "next_plain_run", lambda gain, run: 0 if run else 2)
 
     class StopAtLength(StoppingCriteria):
         def __init__(self, length: int) -> None:
@@ -335,7 +336,7 @@ def test_sampling_is_exact_with_plain_steps_and_full_blocks(setting, monkeypatch
     """The sampling test of tests/test_sampling.py under the cost-aware schedule, every other cycle a plain step."""
     target = peaked_target()
     drafter = random_drafter(target, 24, soft=True)
-    monkeypatch.setattr(candidate_generator, "next_plain_run", lambda gain, run: 0 if run else 1)
+    monkeypatch.setattr(engine_module, "next_plain_run", lambda gain, run: 0 if run else 1)
     kwargs = SETTINGS[setting]
     probs = exact_distribution(target, kwargs)
     n = 400
@@ -403,7 +404,7 @@ def test_plain_steps_leave_no_hole_in_the_drafters_context(fitted, monkeypatch):
     """After the longest plain run, the next draft reads every committed row: the drafter cache holds one row per
     position, with no gap where the plain steps were."""
     target, drafter = fitted
-    monkeypatch.setattr(candidate_generator, "next_plain_run", lambda gain, run: MAX_PLAIN_RUN)
+    monkeypatch.setattr(engine_module, "next_plain_run", lambda gain, run: MAX_PLAIN_RUN)
     seen = []
     original = candidate_generator.DCOCOCandidateGenerator._new_context
 

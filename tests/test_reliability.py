@@ -128,8 +128,8 @@ def test_unmaskable_layers_are_refused_clearly():
 
 
 def test_choosing_a_smaller_block_never_shrinks_the_drafter():
-    """A drafter trained on blocks of 8 without `max_block_size` in its config: drafting blocks of 4 (by hand, for
-    one call, or as the CLI's automatic choice does) must leave blocks of 8 available afterwards."""
+    """A drafter trained on blocks of 8: drafting blocks of 4 (by hand, for one call, or as the CLI's automatic
+    choice does) must leave blocks of 8 available afterwards."""
     from conftest import make_target
 
     from dcoco_hf import DCOCODrafter, set_block_size
@@ -137,14 +137,13 @@ def test_choosing_a_smaller_block_never_shrinks_the_drafter():
 
     target = make_target("llama")
     drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=8, top_k=4)
-    assert drafter.config.max_block_size is None
     set_block_size(drafter, 4)
     set_block_size(drafter, 8)  # failed: "must lie in [2, 4]"
-    assert (drafter.config.block_size, drafter.generation_config.num_assistant_tokens) == (8, 7)
+    assert (drafter.draft_block_size, drafter.generation_config.num_assistant_tokens) == (8, 7)
     set_block_size(drafter, 2)
     with block_size_for_call(drafter, 6):  # a bench's dcoco@6 after the automatic choice picked 2
-        assert drafter.config.block_size == 6
-    assert drafter.config.block_size == 2 and drafter.config.largest_block_size == 8
+        assert drafter.draft_block_size == 6
+    assert drafter.draft_block_size == 2 and drafter.config.block_size == 8
 
 
 # ------------------------------------------------------------------------------------------------ command line

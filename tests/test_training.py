@@ -445,11 +445,10 @@ def test_mixed_horizons_train_each_block_size_in_turn_and_leave_the_drafting_siz
         evaluated = [model(**batch) for _ in range(2)]
     assert sizes == [3, 5, 3] and [out["block_size"] for out in evaluated] == [5, 5]
     assert evaluated[0]["slot_accuracy"].shape == (4,)  # 4 mask slots: the forward really used blocks of 5
-    assert drafter.config.block_size == 4 and drafter.config.max_block_size == 5  # the longest trained block
-    longer = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=3, top_k=4)
-    longer.config.max_block_size = 8  # trained on blocks of 8 before: shorter mixed horizons keep that record
-    DrafterTrainingModel(longer, target, stage=2, block_sizes=[3, 5])
-    assert longer.config.max_block_size == 8
+    assert drafter.config.block_size == 5  # the longest trained block: the drafter may draft up to it
+    longer = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=8, top_k=4)
+    DrafterTrainingModel(longer, target, stage=2, block_sizes=[3, 5])  # trained on blocks of 8 before: kept
+    assert longer.config.block_size == 8
 
     model.train()
     model._records = _records(target)

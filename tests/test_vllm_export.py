@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from dcoco_hf import CorpusBigrams
 from dcoco_hf.block_corrector import DCOCOBlockCorrector
-from dcoco_hf.candidate_generator import DraftContextCache
+from dcoco_hf.context_cache import DraftContextCache
 from dcoco_hf.configuration_dcoco import DCOCOConfig
 from dcoco_hf.export import export_vllm
 from dcoco_hf.training import target_context

@@ -33,8 +33,8 @@ class DrafterTrainingModel(nn.Module):
     checkpoint then serves each of those sizes about as well as a drafter trained on it alone). Training forwards
     take the sizes in turn. Worth it because the best drafting size depends on the machine (tau / cycle time), while
     a slot attends to every later mask slot of its block, so a drafter trained on one size drafts others less well.
-    Default: the drafting size `config.block_size` alone. A size above the drafter's largest is recorded as
-    `config.max_block_size`.
+    Default: the drafter's `config.block_size` alone. A longer size becomes its `config.block_size` (the longest it
+    drafts), except for a head sized for its block (LiLiCorr), which is refused.
 
     `pair_loss` (stage 2): "joint", the paper's cross-entropy over each pair's K^2 transitions, or "successor", over
     the true predecessor's K successors only (the one decision the prefix-first walk makes).
@@ -54,8 +54,14 @@ class DrafterTrainingModel(nn.Module):
         if min(self.block_sizes) < 2:
             raise ValueError(f"block_sizes={list(self.block_sizes)}: a block is the anchor plus at least one mask "
                              "slot, so every size must be >= 2.")
-        if max(self.block_sizes) > drafter.config.largest_block_size:  # a longer block trained before stays recorded
-            drafter.config.max_block_size = max(self.block_sizes)  # saved with the drafter: benches may draft up to it
+        longest = max(self.block_sizes)
+        if longest > drafter.config.block_size:  # saved with the drafter: it may then draft up to it
+            if drafter.corrector.sized_by_block:
+                raise ValueError(
+                    f"block_sizes={list(self.block_sizes)}: this {drafter.config.corrector_type} head is sized for "
+                    f"blocks up to {drafter.config.block_size}; build the drafter with block_size={longest}."
+                )
+            drafter.config.block_size = longest
         self._training_forwards = 0  # picks the block size of the next training forward
         if corrector_only and (stage != 2 or hasattr(drafter, "peft_config")):
             raise ValueError("corrector_only trains the corrector on the DCOCO loss: it needs stage=2 and a plain "

@@ -75,7 +75,7 @@ class Corrector(nn.Module):
     reads_log_probs: ClassVar[bool] = False
     # The fused target context of the position before the block (`DCOCODrafter.anchor_rows`).
     reads_anchor_state: ClassVar[bool] = False
-    # Sized for one largest block (`lilicorr_block_size`), which caps the blocks the drafter may draft.
+    # Its weights are sized for the drafter's `block_size`: a longer block needs a new head.
     sized_by_block: ClassVar[bool] = False
     # Stage 2 trains it with the chain loss over the whole lattice instead of per-transition cross-entropy.
     chain_loss: ClassVar[bool] = False

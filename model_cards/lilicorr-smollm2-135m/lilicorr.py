@@ -255,12 +255,6 @@ class LiLiCorrCorrector(Corrector):
 
     @classmethod
     def check_config(cls, config: Any) -> None:
-        if not 2 <= config.block_size <= config.lilicorr_block_size:
-            raise ValueError(
-                f"block_size={config.block_size} with lilicorr_block_size={config.lilicorr_block_size}: a LiLiCorr "
-                "head serves blocks from 2 up to the size it was built for; draft a smaller block or train a larger "
-                "head."
-            )
         if config.lilicorr_hidden_size % config.lilicorr_num_heads:
             raise ValueError(
                 f"lilicorr_hidden_size={config.lilicorr_hidden_size} is not divisible by lilicorr_num_heads="
@@ -293,7 +287,7 @@ class LiLiCorrCorrector(Corrector):
     def from_config(cls, config: Any) -> LiLiCorrCorrector:
         """The head a `DCOCOConfig` for this corrector describes."""
         return cls(
-            config.hidden_size, config.lilicorr_block_size, config.top_k, config.lilicorr_hidden_size,
+            config.hidden_size, config.block_size, config.top_k, config.lilicorr_hidden_size,
             config.lilicorr_num_layers, config.lilicorr_num_heads, config.lilicorr_mlp_ratio, config.lilicorr_factor_dim,
             config.lilicorr_vector_eps, config.lilicorr_logit_scale, config.rms_norm_eps, config.context_bigrams,
             bool(config.corpus_bigrams),
@@ -465,9 +459,7 @@ def config_from_public(dflash_config: dict[str, Any]) -> dict[str, Any] | None:
             "the checkpoint was trained with (they are in the training recipe) to config.json."
         )
     fields = {ours: dflash_config[key] for key, ours in PUBLIC_FIELDS.items()}
-    fields["corrector_type"] = "lilicorr"
-    if "block_size" in dflash_config:
-        fields["lilicorr_block_size"] = dflash_config["block_size"]
+    fields["corrector_type"] = "lilicorr"  # the head is sized for dflash_config's block_size, read as ours
     return fields
 
 
@@ -485,9 +477,8 @@ def public_config(config: Any, gate: float) -> dict[str, Any]:
             "head with such a top_k to export it."
         )
     rope = dict(config.rope_parameters)
-    head_block = config.lilicorr_block_size
     dflash = {
-        "block_size": head_block, "mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids,
+        "block_size": config.block_size, "mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids,
         "projector_type": "lilicorr", "lilicorr_enabled": True, "lilicorr_candidate_topk": config.top_k,
         "lilicorr_hidden_size": 0 if config.lilicorr_hidden_size == config.hidden_size else config.lilicorr_hidden_size,
         "lilicorr_num_layers": config.lilicorr_num_layers, "lilicorr_num_heads": config.lilicorr_num_heads,

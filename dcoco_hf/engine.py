@@ -1,0 +1,257 @@
+"""`SpeculationEngine`: one generate() call's speculation, whichever loop verifies it.
+
+Two loops drive the same engine: transformers' assisted loop (`target.generate(..., assistant_model=drafter)`, one
+row, through the `DCOCOCandidateGenerator` adapter) and the batched loop (`speculative_generate`, B rows). Each cycle
+the loop takes a plain step while the engine has some planned (`plain_left`), else has it draft a block and choose
+how many of its slots to propose (`draft`); the target verifies, and the loop reports what each row accepted and
+committed (`verified`): on the assisted path that is transformers' own count of matches
+(`update_candidate_strategy`), never inferred from forwards.
+
+The engine owns what lives exactly one call: the drafter's context cache, the cost-aware schedule's running state
+(each row's recent acceptance, the planned plain run, the drafted blocks whose slots the committed text has not
+settled yet) and every row's statistics. How a cycle's block and proposal length are chosen is `proposal.py`'s
+(DScout's per-machine block, planned per cycle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .context_cache import DraftContextCache
+from .proposal import (
+    COST_SCHEDULE,
+    DraftPlan,
+    chain_labels,
+    draftable_share,
+    fade_recent,
+    next_plain_run,
+    slot_confidence,
+    update_recent,
+)
+from .stats import DCOCOStats
+
+if TYPE_CHECKING:
+    from .drafting import AttachedDrafter, DraftProposal
+
+# Committed tokens whose share inside the draft vocabulary predicts the next ones.
+DRAFTABLE_WINDOW = 8
+
+
+@dataclass
+class _DraftedBlock:
+    """One row's drafted block, kept until the committed text settles its slots."""
+
+    start: int  # index in the row's committed answer tokens of the block's slot 1
+    candidates: torch.Tensor  # [S, K]
+    tokens: list[int] | None  # every drafted slot, proposed or not; None: the schedule learns nothing from it
+    confidence: list[float] | None  # per slot
+    predicted: list[float] | None
+    recent: float
+    draftable: float
+
+
+class SpeculationEngine:
+    """Drafts, proposal lengths and statistics of one generate() call over `rows` sequences.
+
+    Args:
+        drafter: an attached drafter.
+        rows: sequences in the call (1 on transformers' assisted path).
+        correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
+        selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's (`decoding`).
+
+    Under the cost-aware schedule (the default) each cycle drafts the block of most expected tokens per second and
+    proposes the k of most expected tokens per second summed over the rows (one verify forward of k + 1 columns);
+    a draft not expected to beat a plain step makes the next cycles plain steps. Other schedules draft the
+    configured block and propose up to the loop's cap.
+    """
+
+    def __init__(
+        self, drafter: AttachedDrafter, rows: int, correct: bool = True, selection: str | None = None
+    ) -> None:
+        self.drafter, self.correct, self.selection = drafter, correct, selection
+        config, generation = drafter.config, drafter.generation_config
+        self.cache = DraftContextCache()
+        self.stats = [DCOCOStats(drafter.draft_block_size, config.top_k) for _ in range(rows)]  # grow as drafted
+        self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
+        self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
+        prior = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0
+        self.recent = [prior] * rows  # per row: its running slot-1 acceptance
+        self.plain_run = 0  # the last run of plain steps the schedule planned
+        self.plain_left = 0  # plain steps still to take before the next draft
+        ids = drafter.draft_token_ids
+        self.draft_vocabulary = frozenset(ids.tolist()) if ids is not None and self.schedule is not None else None
+        self.answers: list[list[int]] = [[] for _ in range(rows)]  # each row's committed answer tokens
+        self._waiting: list[list[_DraftedBlock]] = [[] for _ in range(rows)]  # slots not all settled yet
+        self._drafted: list[list[_DraftedBlock]] = [[] for _ in range(rows)]  # every block, for candidate coverage
+        self._proposal: DraftProposal | None = None  # the cycle's draft, until verified
+        self._plan: DraftPlan | None = None  # the cycle's block, and whether drafting is expected to pay
+        self._draftable: list[float] = []  # the active rows' draftable shares when the block was planned
+
+    # ------------------------------------------------------------------------------------------------ a cycle
+
+    def draft(
+        self,
+        anchor: torch.LongTensor,
+        anchor_positions: torch.LongTensor,
+        context: torch.Tensor,
+        context_positions: torch.LongTensor,
+        row_ids: Sequence[int],
+        cap: int,
+        attention_mask: torch.Tensor | None = None,
+        context_ids: torch.LongTensor | None = None,
+        context_valid: torch.Tensor | None = None,
+    ) -> tuple[DraftProposal, int]:
+        """Draft one block for the active rows `row_ids` and choose how many of its slots to propose (at most `cap`):
+        (proposal, k). anchor, anchor_positions [b]; context [b, N, n_layers * H] the target states not yet in the
+        drafter cache at context_positions [b, N]; masks and context ids as in `DCOCODrafter.propose` (the mask
+        sized for `draft_block(row_ids, cap)`'s block)."""
+        block = self._plan.block if self._plan is not None else self.draft_block(row_ids, cap)
+        offsets = torch.arange(block, device=anchor.device)
+        position_ids = torch.cat([context_positions, anchor_positions[:, None] + offsets], dim=1)  # [b, N + block]
+        blind = self.cache.get_seq_length() == context.shape[1] == 0  # no target state read: nothing to learn from
+        proposal = self.drafter.propose(
+            anchor, context, position_ids, self.cache, attention_mask, selection=self.selection,
+            correct=self.correct, context_ids=context_ids, context_valid=context_valid,
+            timed=self.drafter.time_phases, block_size=block,
+        )
+        k = self._proposal_length(proposal, row_ids, min(cap, block - 1), blind)
+        self._proposal, self._plan = proposal, None
+        return proposal, k
+
+    def draft_block(self, row_ids: Sequence[int], cap: int) -> int:
+        """The block (anchor + slots) the next `draft` drafts: the configured one, or the cost-aware schedule's for
+        the rows' mean running acceptance and draftable share (`plan_draft`)."""
+        self._draftable = [self._draftable_share(row) for row in row_ids]
+        if self.schedule is None:
+            self._plan = DraftPlan(self.drafter.draft_block_size, 1.0)
+        else:
+            recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
+            draftable = sum(self._draftable) / len(self._draftable)
+            self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor)
+        return self._plan.block
+
+    def prefilled(self, row_ids: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
+        """The prompts' forward committed `committed[i]` (the target's first token) for row i, without a draft."""
+        for row, tokens in zip(row_ids, committed):
+            self.stats[row].committed_tokens += len(tokens)
+            self.answers[row].extend(tokens)
+
+    def verified(
+        self, row_ids: Sequence[int], proposed: int, accepted: Sequence[int], committed: Sequence[Sequence[int]]
+    ) -> None:
+        """After the target verified the cycle: `proposed` drafts were offered to every active row (0: a plain step),
+        row i accepted `accepted[i]` of them and committed the tokens `committed[i]` (accepted drafts and the target's
+        own token, cut at the budget or an EOS)."""
+        proposal, self._proposal = self._proposal, None
+        for row, count, tokens in zip(row_ids, accepted, committed):
+            stats = self.stats[row]
+            if proposal is not None:
+                stats.observe_draft(proposed, count, len(tokens))
+            elif self.plain_left:
+                stats.observe_plain_steps(committed=len(tokens))
+            else:  # transformers' own step where no draft fits (the last token of a call)
+                stats.committed_tokens += len(tokens)
+            self.answers[row].extend(tokens)
+            self._settle(row)
+        if proposal is None and self.plain_left:
+            self.plain_left -= 1
+            prior = self.schedule.acceptance.prior[0]
+            for row in row_ids:
+                self.recent[row] = fade_recent(self.recent[row], prior)
+        elif proposal is not None:
+            for row in row_ids:
+                self.stats[row].drafter_seconds += proposal.backbone_seconds
+                self.stats[row].corrector_seconds += proposal.corrector_seconds
+
+    def observe_cycle_time(self, row: int, seconds: float, proposed: int, block: int | None, committed: int) -> None:
+        """A timed cycle that committed `committed` tokens (a draft of `block` and its verify, or a plain step with
+        block None): what the timed costs missed teaches the schedule (`loop`, and `loop(B)`), and the row's
+        statistics compare it with plain steps for the same tokens."""
+        costs = self.schedule.costs if self.schedule is not None else None
+        if costs is None:
+            return
+        modelled = costs.plain if block is None else costs.cycle(proposed, block)
+        self.schedule.observe_loop(seconds - modelled, block)
+        stats = self.stats[row]
+        stats.plain_estimate_seconds += costs.plain * committed
+        stats.cycle_wall_seconds += seconds
+
+    def finish(self) -> None:
+        """The call ended: label what the committed text settles and book each block's candidate coverage (the
+        candidates cross to the host in one copy)."""
+        blocks = [block for row_blocks in self._drafted for block in row_blocks]
+        if blocks:
+            on_host = torch.cat([block.candidates.flatten() for block in blocks]).cpu()
+            for block, candidates in zip(blocks, on_host.split([b.candidates.numel() for b in blocks])):
+                block.candidates = candidates.view(block.candidates.shape)
+        for row, row_blocks in enumerate(self._drafted):
+            self._settle(row, final=True)
+            answer = self.answers[row]
+            for block in row_blocks:
+                truth = torch.tensor(answer[block.start : block.start + block.candidates.shape[0]], dtype=torch.long)
+                self.stats[row].observe_candidates(block.candidates[: truth.shape[0]] == truth[:, None])  # [s, K]
+            row_blocks.clear()
+
+    # ------------------------------------------------------------------------------------------------ internals
+
+    def _draftable_share(self, row: int) -> float:
+        return draftable_share(self.answers[row][-DRAFTABLE_WINDOW:], self.draft_vocabulary)
+
+    def _proposal_length(self, proposal: DraftProposal, row_ids: Sequence[int], cap: int, blind: bool) -> int:
+        """How many drafted slots to propose, and under the cost-aware schedule how many plain steps to take next."""
+        drafted, draftable, gain = proposal.tokens.shape[1], self._draftable, self._plan.gain
+        for row in row_ids:
+            self.stats[row].observe_drafted_block(drafted + 1)
+        if self.schedule is None:
+            self._keep(proposal, row_ids, None, None, None, draftable)
+            return cap
+        confidence = slot_confidence(
+            proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
+        )  # [b, S]
+        # One read for both: float64 holds every token id exactly.
+        confidence, tokens = torch.stack([confidence.double(), proposal.tokens.double()]).tolist()  # [b][S] each
+        acceptance = self.schedule.acceptance
+        predicted = [acceptance.predict(c, self.recent[row], d) for c, row, d in zip(confidence, row_ids, draftable)]
+        choice = self.schedule.choose_batch(predicted, cap, self.floor, drafted + 1)
+        for row_confidence in confidence:
+            acceptance.note_drafted(row_confidence)
+        if blind:  # the call's first assisted draft precedes the prompt's forward: it has no context to go by
+            self._keep(proposal, row_ids, None, None, None, draftable)
+        else:
+            self._keep(proposal, row_ids, [[int(t) for t in row] for row in tokens], confidence, predicted, draftable)
+            self.plain_run = self.plain_left = next_plain_run(gain, self.plain_run)
+        return choice.k
+
+    def _keep(self, proposal: DraftProposal, row_ids, tokens, confidence, predicted, draftable) -> None:
+        """Keep each row's block for its candidate coverage and, with `tokens` (host lists), for the fit."""
+        for i, row in enumerate(row_ids):
+            learn = tokens is not None
+            block = _DraftedBlock(
+                len(self.answers[row]), proposal.candidates[i], tokens[i] if learn else None,
+                confidence[i] if learn else None, predicted[i] if learn else None, self.recent[row], draftable[i],
+            )
+            self._drafted[row].append(block)
+            if learn:
+                self._waiting[row].append(block)
+
+    def _settle(self, row: int, final: bool = False) -> None:
+        """Teach the acceptance fit from the row's drafted blocks whose fate the committed text now settles: every
+        slot up to the first wrong one, proposed or not (`chain_labels`)."""
+        answer, waiting = self.answers[row], []
+        for block in self._waiting[row]:
+            drafted = block.tokens
+            labels = chain_labels(drafted, answer[block.start : block.start + len(drafted)])
+            if not final and len(labels) < len(drafted) and all(labels):
+                waiting.append(block)  # every slot so far right: the next ones are not committed yet
+                continue
+            if labels:
+                self.schedule.acceptance.observe(block.confidence, block.recent, labels, block.draftable)
+                self.stats[row].observe_prediction(block.predicted, labels)
+                self.recent[row] = update_recent(self.recent[row], labels[0])
+        self._waiting[row] = waiting
+
+
+__all__ = ["SpeculationEngine"]
