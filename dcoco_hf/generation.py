@@ -24,11 +24,15 @@ from the processed distribution), and a draft is accepted while it equals that t
 point-mass rule of DCOCO appendix G: exactly lossless for any drafter.
 
 Static-friendliness: the output buffer is preallocated, every forward has a fixed block width (drafts are never cut
-to the remaining budget; surplus tokens are simply not committed), and acceptance is computed with tensor ops. What
-stays dynamic: the active batch size (finished rows leave), the cache length (grows by the longest accepted prefix
-per cycle), the drafter context width (same), and one host sync per cycle (accepted counts and finished rows, read
-together; logits processors that read the sequence add one call, and a sync, per distinct prefix length). The
-target mask is re-concatenated each cycle (cheap next to the forward).
+to the remaining budget; surplus tokens are simply not committed), and acceptance is computed with tensor ops. The
+target cache is static on CUDA (or with `cache_implementation="static"`; `target_cache.py`): its buffers are
+allocated once per call and every write, crop, row removal and compaction stays in them; the dynamic cache
+(`cache_implementation="dynamic"`, the default elsewhere) re-concatenates every layer each cycle. Both hold the same
+columns, so the target computes the same function on either. What stays dynamic: the active batch size (finished
+rows leave), the cache length the forward attends to (grows by the longest accepted prefix per cycle), the drafter
+context width (same), and one host sync per cycle (accepted counts and finished rows, read together; logits
+processors that read the sequence add one call, and a sync, per distinct prefix length). The target mask is
+re-concatenated each cycle (cheap next to the forward).
 """
 
 from __future__ import annotations
@@ -160,6 +164,8 @@ def speculative_generate(
     greedy decoding, in distribution under sampling. The signature follows how transformers 5.x calls a callable
     `custom_generate`: `(model, input_ids, logits_processor=, stopping_criteria=, generation_config=, <its own
     keywords>, **model_kwargs)`; hence the drafter is a keyword and generation settings travel in `**kwargs`.
+    `cache_implementation="static"` or `"dynamic"` (a keyword or in the generation config) picks the target's cache;
+    unset, it is static on CUDA and dynamic elsewhere; both give the same outputs.
 
     Args:
         target: the causal LM the drafter is attached to.
