@@ -146,6 +146,14 @@ def test_cache_kind_choice():
         generation._static_cache(GenerationConfig(cache_implementation="offloaded"), torch.device("cpu"))
 
 
+def test_other_cache_kinds_are_refused_clearly(fitted):
+    target, drafter = fitted
+    ids, mask = left_padded(60, [4, 6])
+    with pytest.raises(ValueError, match="'offloaded_static' is not supported by speculative_generate"):
+        speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5, pad_token_id=PAD,
+                             cache_implementation="offloaded_static")
+
+
 def test_static_layer_refuses_to_outgrow_its_buffers():
     layer = StaticTargetLayer(capacity=4)
     states = torch.zeros(2, 1, 3, 8)  # [B, heads, n, D]
