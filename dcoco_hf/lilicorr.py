@@ -366,7 +366,8 @@ class LiLiCorrCorrector(Corrector):
         """The token table (`_token_table`), built for the graph to read."""
         if not isinstance(self.token_proj, nn.Identity):  # without a projection there is no table to read
             with torch.no_grad():
-                self._token_table(embedding)
+                # A fixed address: CUDA graphs read it in place instead of copying it in at every replay.
+                torch._dynamo.mark_static_address(self._token_table(embedding))
 
     def _token_table(self, embedding: nn.Module) -> torch.Tensor:
         """token_proj(E) [V, h], rebuilt only when the embedding or token_proj changes (training, loading, `.to`).
