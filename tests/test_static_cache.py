@@ -10,9 +10,18 @@ distribution of a batch of samples matches the exact one. Which kind a call uses
 from __future__ import annotations
 
 import pytest
+import test_batched
 import torch
 from conftest import scrambled
-from test_batched import CASES, N_SAMPLES, PAD, SETTINGS, left_padded, sample_batch, sampling_models  # noqa: F401
+from test_batched import (  # noqa: F401
+    CASES,
+    N_SAMPLES,
+    PAD,
+    SETTINGS,
+    left_padded,
+    sample_batch,
+    sampling_models,
+)
 from test_reliability import _left_padded, sliding  # noqa: F401
 from sampling_reference import exact_distribution, histogram, iid_tv_quantiles, total_variation
 from transformers import GenerationConfig
@@ -105,6 +114,13 @@ def test_static_compaction_when_the_buffer_is_full(fitted, monkeypatch):
     got = speculative_generate(target, ids, drafter=drafter, cache_implementation="static", **common)
     assert got.sequences.tolist() == expected.tolist()
     assert calls  # the buffer filled up with holes, and packing made room
+
+
+def test_static_one_host_sync_per_cycle(fitted, monkeypatch):
+    """Writing, cropping, selecting rows and packing in the static buffers read nothing on the host: still one sync
+    per cycle, compaction and rows leaving included."""
+    monkeypatch.setattr(generation, "_static_cache", lambda config, device: True)
+    test_batched.test_one_host_sync_per_cycle(fitted, "context_bigrams", [7, 7], True, "constant", monkeypatch)
 
 
 @pytest.mark.parametrize("seed,lengths,max_new_tokens", [(0, [3, 9, 6, 1], 24), (1, [7, 2], 13)])
