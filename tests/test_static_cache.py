@@ -165,9 +165,12 @@ def test_cache_kind_choice():
 def test_other_cache_kinds_are_refused_clearly(fitted):
     target, drafter = fitted
     ids, mask = left_padded(60, [4, 6])
-    with pytest.raises(ValueError, match="'offloaded_static' is not supported by speculative_generate"):
-        speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5, pad_token_id=PAD,
-                             cache_implementation="offloaded_static")
+    # use_cache=False: generate() then builds no cache of its own before the loop (an offloaded one needs a GPU
+    # stream, a quantized one its package); the loop keeps its own cache either way and reads the kind asked for.
+    for kind in ("offloaded_static", "quantized"):
+        with pytest.raises(ValueError, match=f"'{kind}' is not supported by speculative_generate"):
+            speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=5,
+                                 pad_token_id=PAD, cache_implementation=kind, use_cache=False)
 
 
 def test_static_layer_refuses_to_outgrow_its_buffers():
