@@ -88,6 +88,10 @@ class Corrector(nn.Module):
     def init_weights(self) -> None:
         """Start the parameters transformers' default init does not cover (none by default)."""
 
+    def prepare_capture(self, embedding: nn.Module) -> None:
+        """Build, eagerly, what drafting caches from the weights and a compiled graph cannot rebuild itself (nothing
+        by default); `embedding` is the target's input embedding. Called when drafting is compiled."""
+
     @classmethod
     def check_config(cls, config: Any) -> None:
         """Raise a ValueError naming a bad field of this corrector and the fix (nothing to check by default)."""
@@ -472,13 +476,18 @@ class CorpusBigrams(nn.Module):
         return torch.stack([log_after, log_after - torch.log1p(following.clamp(min=0))], dim=-1).float()
 
     def _log_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log(1 + c) [N], log(1 + n) [V]) as float32, recomputed only when the buffers change (`count`, loading)."""
+        """(log(1 + c) [N], log(1 + n) [V]) as float32, recomputed only when the buffers change (`count`, loading);
+        inside a compiled graph every time (a few elementwise ops there: a graph cannot trace the cache's key)."""
+        if torch.compiler.is_compiling():
+            return self._logs()
         key = tuple((b._version, b.data_ptr(), b.device) for b in (self.pair_counts, self.first_counts))
         cached = getattr(self, "_log_cache", None)
         if cached is None or cached[0] != key:
-            logs = (torch.log1p(self.pair_counts.double()).float(), torch.log1p(self.first_counts.double()).float())
-            cached = self._log_cache = (key, logs)
+            cached = self._log_cache = (key, self._logs())
         return cached[1]
+
+    def _logs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.log1p(self.pair_counts.double()).float(), torch.log1p(self.first_counts.double()).float()
 
     @staticmethod
     def _lookup(keys: torch.Tensor, counts: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

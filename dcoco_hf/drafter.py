@@ -97,6 +97,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         self._unhook: weakref.finalize | None = None
         self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
         self._schedule: ProposalSchedule | None = None  # the cost-aware schedule's state, kept across calls
+        self._compiled_correction: Any = None  # `compile_drafting`: the compiled `_correct`, or None (eager)
 
     # ------------------------------------------------------------------ construction and attachment
 
@@ -262,7 +263,8 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _schedule=None)
+        state.update(_tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _schedule=None,
+                     _compiled_correction=None)
         return state
 
     @property
@@ -323,16 +325,14 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         start = time.perf_counter()
         scores = first_scores = None
         decoding = self.decoding
-        selection = selection or decoding.selection
         if correct and (block_size > 2 or self.scores_first_slot):
-            first_scores, scores = self.score_candidates(
-                block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
-                anchor=self.anchor_rows(out.context_states, position_ids) if self.corrector.reads_anchor_state else None,
-                context_ids=context_ids, context_valid=context_valid,
-            )  # [B, K] or None, [B, S - 1, K, K]
-            # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
-            first = first_scores if first_scores is not None else candidate_logits[:, 0]
-            chosen = select_candidates(selection, scores.float(), first.float(), decoding.geometric_lambda)
+            # The anchor row is read here, eagerly: it depends on how many context rows are new (not a fixed shape).
+            anchor = self.anchor_rows(out.context_states, position_ids) if self.corrector.reads_anchor_state else None
+            correction = self._compiled_correction or self._correct
+            chosen, first_scores, scores = correction(
+                block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor, context_ids, context_valid,
+                selection or decoding.selection, decoding.geometric_lambda,
+            )  # [B, S], [B, K] or None, [B, S - 1, K, K]
         else:
             chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
         tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
@@ -341,6 +341,69 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         return DraftProposal(
             tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds, corrector_seconds
         )
+
+    def _correct(
+        self,
+        block_hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        candidates: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+        log_probs: torch.Tensor | None,
+        anchor: tuple[torch.Tensor, torch.BoolTensor] | None,
+        context_ids: torch.LongTensor | None,
+        context_valid: torch.BoolTensor | None,
+        selection: str,
+        geometric_lambda: float,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
+        """The corrector phase of `propose`: the candidates' transition scores and the walk through them ->
+        (chosen [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K]). Every input has a
+        shape fixed by (batch, block, top-K) and, with `context_bigrams`, the context width, so `compile_drafting`
+        captures it whole."""
+        first_scores, scores = self.score_candidates(
+            block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=anchor, context_ids=context_ids,
+            context_valid=context_valid,
+        )
+        # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
+        first = first_scores if first_scores is not None else candidate_logits[:, 0]
+        return select_candidates(selection, scores.float(), first.float(), geometric_lambda), first_scores, scores
+
+    def compile_drafting(self, enabled: bool = True, **compile_options: Any) -> "DCOCODrafter":
+        """Run the corrector phase of every draft (the transition scores of all K x K candidate pairs of each slot
+        pair, then the walk: many small kernels) as one compiled graph per input shape, or eagerly again with
+        `enabled=False`. Returns self.
+
+        `compile_options` go to `torch.compile`; the default is CUDA graphs on a GPU (`mode="reduce-overhead"`: one
+        recorded graph per (batch, block) shape, replayed in one launch) and inductor's default elsewhere. Set it
+        after `attach`, before generating; both engines (assisted and batched) use it. Lossless either way: the
+        target verifies every draft. The drafts are the eager ones wherever the compiled kernels round as the eager
+        ones do (`backend="aot_eager"` runs the same kernels, so they are identical; inductor may fuse and reorder
+        float sums, which can only swap candidates whose scores tie within rounding). The backbone stays eager: its
+        keys grow with the context every cycle. Tables the corrector derives from the weights are built here, for
+        the graph to read: after changing the weights (training, loading, `.to`), call it again.
+        """
+        if not enabled:
+            self._compiled_correction = None
+            return self
+        options = {"mode": "reduce-overhead"} if self.device.type == "cuda" and not compile_options else compile_options
+        self.corrector.prepare_capture(self.input_embedding())  # what the graph reads but cannot build
+        compiled = torch.compile(self._correct, **options)
+        cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
+
+        def correction(*args: Any) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
+            if cuda_graphs:  # a new step: the graph may reuse its output memory, so the outputs are copied out
+                torch.compiler.cudagraph_mark_step_begin()
+            chosen, first_scores, scores = compiled(*args)
+            if not cuda_graphs:
+                return chosen, first_scores, scores
+            return chosen.clone(), None if first_scores is None else first_scores.clone(), scores.clone()
+
+        self._compiled_correction = correction
+        return self
+
+    @property
+    def drafting_compiled(self) -> bool:
+        """Whether `compile_drafting` is on."""
+        return self._compiled_correction is not None
 
     # ------------------------------------------------------------------ transformers assisted generation
 

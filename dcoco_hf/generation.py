@@ -24,11 +24,15 @@ from the processed distribution), and a draft is accepted while it equals that t
 point-mass rule of DCOCO appendix G: exactly lossless for any drafter.
 
 Static-friendliness: the output buffer is preallocated, every forward has a fixed block width (drafts are never cut
-to the remaining budget; surplus tokens are simply not committed), and acceptance is computed with tensor ops. What
-stays dynamic: the active batch size (finished rows leave), the cache length (grows by the longest accepted prefix
-per cycle), the drafter context width (same), and one host sync per cycle (accepted counts and finished rows, read
-together; logits processors that read the sequence add one call, and a sync, per distinct prefix length). The
-target mask is re-concatenated each cycle (cheap next to the forward).
+to the remaining budget; surplus tokens are simply not committed), and acceptance is computed with tensor ops. The
+target cache is static on CUDA (or with `cache_implementation="static"`; `target_cache.py`): its buffers are
+allocated once per call and every write, crop, row removal and compaction stays in them; the dynamic cache
+(`cache_implementation="dynamic"`, the default elsewhere) re-concatenates every layer each cycle. Both hold the same
+columns, so the target computes the same function on either. What stays dynamic: the active batch size (finished
+rows leave), the cache length the forward attends to (grows by the longest accepted prefix per cycle), the drafter
+context width (same), and one host sync per cycle (accepted counts and finished rows, read together; logits
+processors that read the sequence add one call, and a sync, per distinct prefix length). The target mask is
+re-concatenated each cycle (cheap next to the forward).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -74,6 +79,7 @@ from .context_cache import DraftContextCache
 from .engine import SpeculationEngine
 from .hf_compat import cache_kwargs, output_cache
 from .stats import DCOCOStats
+from .target_cache import static_capacity, static_target_cache
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
@@ -157,6 +163,8 @@ def speculative_generate(
     greedy decoding, in distribution under sampling. The signature follows how transformers 5.x calls a callable
     `custom_generate`: `(model, input_ids, logits_processor=, stopping_criteria=, generation_config=, <its own
     keywords>, **model_kwargs)`; hence the drafter is a keyword and generation settings travel in `**kwargs`.
+    `cache_implementation="static"` or `"dynamic"` (a keyword or in the generation config) picks the target's cache;
+    unset, it is static on CUDA and dynamic elsewhere; both give the same outputs.
 
     Args:
         target: the causal LM the drafter is attached to.
@@ -234,7 +242,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     prompt_valid = mask.bool()  # [B, L] real prompt tokens (the corrector's context bigrams skip padding)
     rows = torch.arange(batch, device=device)  # [b] original row of each active row, to index per-call tensors
     row_ids = list(range(batch))  # the same on the host: booking statistics per row needs no sync
-    masks = _TargetMasks(target, longest=prompt_len + max_new + slots)
+    masks = _TargetMasks(target, prompt_len + max_new + slots, slots + 1, _static_cache(config, device))
     cache = masks.new_cache()
     dcache = engine.cache
 
@@ -320,7 +328,8 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
         else:
             ctx, ctx_mask, ctx_pos = fresh
         anchor = chosen.gather(1, accepted[:, None]).squeeze(1)  # [b] the bonus token
-        if 1 - sum(anchor_committed) / mask.numel() > COMPACT_WASTE:  # mostly holes: pack every row's keys right
+        # Mostly holes, or a static cache without room for the next block: pack every row's keys right.
+        if 1 - sum(anchor_committed) / mask.numel() > COMPACT_WASTE or not masks.has_room(mask.shape[1]):
             # The drafter cache holds the context up to the old anchors (the new rows are cached next cycle).
             mask, dmask = _compact(cache, mask, max(anchor_committed), dcache, dmask, max(committed))
         committed = anchor_committed
@@ -331,13 +340,14 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
 
 
 def _compact(
-    cache: DynamicCache, mask: torch.Tensor, width: int, dcache: DraftContextCache, dmask: torch.Tensor, dwidth: int
+    cache: Cache, mask: torch.Tensor, width: int, dcache: DraftContextCache, dmask: torch.Tensor, dwidth: int
 ):
     """Pack every row's visible key/value columns to the right end, in order, in both caches: (mask, dmask).
 
     width / dwidth: the most visible columns of a row in mask / dmask (known on the host, so packing needs no sync).
     Exact: keys carry their RoPE rotation already and attention does not care where a key sits, only whether it is
-    masked; new tokens keep their explicit positions.
+    masked; new tokens keep their explicit positions. A static cache's layers copy the packed columns into the front
+    of their buffers when assigned (`StaticTargetLayer`).
     """
     index, mask = _pack_index(mask, width)
     for layer in cache.layers:
@@ -370,9 +380,15 @@ class _TargetMasks:
     needs), and each forward gets 4D masks built by transformers' own `create_causal_mask` (so in the format of the
     attention implementation) with the window counted in committed tokens: a key is visible to a query when it is
     one of the `window` last tokens up to and including the query's, exactly the keys plain decoding attends to.
+
+    The cache is dynamic or static (`target_cache.py`: buffers allocated once for the call, every layer full, like
+    the dynamic one with sliding layers); both hold the same columns, so the masks are the same for both.
     """
 
-    def __init__(self, target: PreTrainedModel, longest: int) -> None:
+    def __init__(self, target: PreTrainedModel, longest: int, block: int, static: bool) -> None:
+        """longest: the call's longest sequence (prompt + budget + one block); block: the widest verify forward."""
+        self.block = block
+        self.capacity = static_capacity(longest, block) if static else None
         self.config = target.config
         self.dtype = target.dtype
         text = self.config.get_text_config(decoder=True)
@@ -384,10 +400,17 @@ class _TargetMasks:
                         for kind, window in windows.items()}
         self.by_type = getattr(text, "layer_types", None) is not None  # the model reads {layer type: mask}
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> Cache:
+        if self.capacity is not None:
+            return static_target_cache(self.capacity)
         return DynamicCache() if self.sliding else DynamicCache(config=self.config)
 
-    def __call__(self, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor | dict[str, torch.Tensor]:
+    def has_room(self, columns: int) -> bool:
+        """Whether a cache of `columns` columns takes the next verify forward as it is (a static cache packs its
+        holes out first when it would not; a dynamic one grows)."""
+        return self.capacity is None or columns + self.block <= self.capacity
+
+    def __call__(self, mask: torch.Tensor, cache: Cache) -> torch.Tensor | dict[str, torch.Tensor]:
         """mask: [b, K + n] key mask of the cache plus the n new tokens -> the forward's `attention_mask`."""
         if not self.sliding:
             return mask
@@ -406,6 +429,26 @@ class _TargetMasks:
         if self.by_type:
             return {kind: built[window] for kind, window in self.windows.items()}
         return next(iter(built.values()))  # without layer_types every layer is of the one type
+
+
+# `cache_implementation` values that name a static cache: transformers' own, and the older names it still maps to it.
+_STATIC_NAMES = ("static", "sliding_window", "hybrid", "hybrid_chunked")
+
+
+def _static_cache(config: GenerationConfig, device: torch.device) -> bool:
+    """Whether the call's target cache is static (`target_cache.py`), from `cache_implementation`: "static" or
+    "dynamic"; unset, static on CUDA, where it saves re-concatenating every layer's cache each cycle, and dynamic
+    elsewhere. Raises for the other kinds."""
+    kind = config.cache_implementation
+    if kind is None:
+        return device.type == "cuda"
+    if kind in _STATIC_NAMES or kind == "dynamic":
+        return kind != "dynamic"
+    raise ValueError(
+        f"cache_implementation={kind!r} is not supported by speculative_generate: it keeps the target's keys and "
+        "values on the device in full precision, with holes it masks and packs itself. Pass "
+        'cache_implementation="static" or "dynamic", or leave it unset (static on CUDA, dynamic elsewhere).'
+    )
 
 
 def _window_function(positions: torch.Tensor, window: int):

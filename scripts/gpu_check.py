@@ -8,12 +8,15 @@ records why, and the others still run):
 
   exactness   tiny random targets on the device: greedy identity with plain generate() (fp32 and bf16; in bf16 every
               parting is checked for a near-tie, see NEAR_TIE), sampling against the exact distribution, stopping
-              rules, the batched loop with ragged rows, the static cache, SDPA / eager / FlashAttention-2.
+              rules, the batched loop with ragged rows on a dynamic and a static target cache, the batched loop with
+              compiled drafting (outputs and per-cycle acceptance against eager drafting), assisted generation on
+              transformers' static cache, SDPA / eager / FlashAttention-2.
   shipped     the shipped drafter's real weights on a random fp32 target of SmolLM2-135M's shapes: a plain step, verify
               forwards, the draft and the corrector, combined with the tau the card measured on CPU with the real
               target into a PROJECTED tokens/s ratio per block size.
   costs       a Qwen3-8B-shaped target and a DFlash-sized drafter (random weights, bf16): plain step, verify forwards
-              of 2..16 rows, the draft and each corrector at batch 1..32, eager and compiled.
+              of 2..16 rows, the draft and each corrector at batch 1..32, with the corrector phase eager and captured
+              (`compile_drafting`: CUDA graphs).
   projection  those costs with the papers' published tau for Qwen3-8B: PROJECTED speedups, not measurements.
 
 Random weights accept almost nothing, so no speedup here is measured end to end: costs are, speedups are projected.
@@ -357,22 +360,58 @@ def stopping_check(device: torch.device, sizes: Sizes) -> dict:
     return result
 
 
-def batched_check(device: torch.device, sizes: Sizes) -> dict:
-    """Ragged rows, left-padded: the batched loop's greedy output of each row against plain generate() of that row
-    alone."""
-    target, drafter = tiny_pair(sizes.archs[0], device, torch.float32, "sdpa", sizes)
-    rows = sizes.batch_rows
-    prompts = [p[0].cpu() for p in random_prompts(rows, target.config.vocab_size, device, seed=3)]
+def capture_options(device: torch.device) -> dict[str, str]:
+    """How drafting is captured here (`compile_drafting`): its default on a GPU (CUDA graphs, inductor's
+    'reduce-overhead'); on CPU the traced graph on the eager kernels (backend 'aot_eager', no C++ build)."""
+    return {} if device.type == "cuda" else {"backend": "aot_eager"}
+
+
+def ragged_batch(target, drafter, device: torch.device, sizes: Sizes, **options: Any):
+    """The batched loop's greedy run over `sizes.batch_rows` ragged left-padded prompts: (output, prompts, width)."""
+    prompts = [p[0].cpu() for p in random_prompts(sizes.batch_rows, target.config.vocab_size, device, seed=3)]
     ids, mask = left_pad(prompts, pad_token_id=0)  # [B, longest]
     out = speculative_generate(target, ids.to(device), attention_mask=mask.to(device), drafter=drafter,
-                               max_new_tokens=20, do_sample=False)
+                               max_new_tokens=20, do_sample=False, **options)
+    return out, prompts, ids.shape[1]
+
+
+def rows_alone(target, out, prompts: list[torch.LongTensor], width: int, device: torch.device) -> int:
+    """How many rows of the batched output equal plain generate() of that row alone."""
     same = 0
     for row, prompt in enumerate(prompts):
         alone = target.generate(prompt[None].to(device), attention_mask=torch.ones_like(prompt[None]).to(device),
                                 max_new_tokens=20, do_sample=False)[0, len(prompt):]
-        same += out.sequences[row, ids.shape[1]:].tolist() == alone.tolist()
-    return {"rows": rows, "prompt_lengths": [len(p) for p in prompts], "identical": same, "ok": same == rows,
-            "tau": [round(s.tau, 3) for s in out.stats]}
+        same += out.sequences[row, width:].tolist() == alone.tolist()
+    return same
+
+
+def batched_check(device: torch.device, sizes: Sizes, cache: str) -> dict:
+    """Ragged rows, left-padded: the batched loop's greedy output of each row, on a `cache` ("dynamic" or "static")
+    target cache, against plain generate() of that row alone."""
+    target, drafter = tiny_pair(sizes.archs[0], device, torch.float32, "sdpa", sizes)
+    out, prompts, width = ragged_batch(target, drafter, device, sizes, cache_implementation=cache)
+    same = rows_alone(target, out, prompts, width, device)
+    return {"cache": cache, "rows": len(prompts), "prompt_lengths": [len(p) for p in prompts], "identical": same,
+            "ok": same == len(prompts), "tau": [round(s.tau, 3) for s in out.stats]}
+
+
+def compiled_drafting_check(device: torch.device, sizes: Sizes) -> dict:
+    """The batched loop (static cache) with `compile_drafting()`: each row against plain generate() of that row
+    alone, and every row's accepted drafts per cycle against the same run with eager drafting (the same drafts
+    give the same counts)."""
+    target, drafter = tiny_pair(sizes.archs[0], device, torch.float32, "sdpa", sizes)
+    eager, _, _ = ragged_batch(target, drafter, device, sizes, cache_implementation="static")
+    torch._dynamo.reset()  # a fresh graph cache: no earlier capture counts against dynamo's recompile limit
+    options = capture_options(device)
+    start = time.perf_counter()
+    drafter.compile_drafting(**options)
+    out, prompts, width = ragged_batch(target, drafter, device, sizes, cache_implementation="static")
+    first_call = time.perf_counter() - start  # compiling and recording the graphs included
+    same = rows_alone(target, out, prompts, width, device)
+    same_cycles = sum(a.accepted == b.accepted for a, b in zip(out.stats, eager.stats))
+    return {"capture": f"compile_drafting({', '.join(f'{k}={v!r}' for k, v in options.items())})",
+            "rows": len(prompts), "identical": same, "acceptance_as_eager": same_cycles,
+            "first_call_s": round(first_call, 2), "ok": same == len(prompts) == same_cycles}
 
 
 def static_cache_check(device: torch.device, sizes: Sizes) -> dict:
@@ -405,7 +444,9 @@ def exactness(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
     checks = {
         "sampling": lambda: sampling_check(device, sizes.samples),
         "stopping": lambda: stopping_check(device, sizes),
-        "batched": lambda: batched_check(device, sizes),
+        "batched": lambda: batched_check(device, sizes, "dynamic"),
+        "static_batched": lambda: batched_check(device, sizes, "static"),
+        "compiled_drafting": lambda: compiled_drafting_check(device, sizes),
         "static_cache": lambda: static_cache_check(device, sizes),
     }
     result = {"greedy": greedy, "attention_skipped": skipped}
@@ -501,12 +542,10 @@ def shipped(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
 
 
 def capture(drafter: DCOCODrafter, device: torch.device) -> str:
-    """Compile the drafter's forward and its corrector in place: CUDA graphs on a GPU (inductor, 'reduce-overhead');
-    on CPU the same dynamo path without code generation (backend 'eager', no C++ build). Returns how."""
-    options = dict(backend="inductor", mode="reduce-overhead") if device.type == "cuda" else dict(backend="eager")
-    drafter.compile(**options)
-    drafter.corrector.compile(**options)
-    return f"torch.compile({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+    """Capture the drafter's corrector phase (`compile_drafting`, `capture_options`). Returns how."""
+    options = capture_options(device)
+    drafter.compile_drafting(**options)
+    return f"compile_drafting({', '.join(f'{k}={v!r}' for k, v in options.items())})"
 
 
 def costs(device: torch.device, dtype: torch.dtype, sizes: Sizes, deadline: Deadline) -> dict:
@@ -522,6 +561,7 @@ def costs(device: torch.device, dtype: torch.dtype, sizes: Sizes, deadline: Dead
         mode = "eager"
         if captured:
             try:
+                torch._dynamo.reset()  # a fresh graph cache: no earlier capture counts against the recompile limit
                 mode = {capture(d, device) for d in drafters.values()}.pop()
             except Exception as error:  # noqa: BLE001 - recorded; the eager rows stand
                 rows.append({"mode": "captured", "status": "failed", "reason": f"{type(error).__name__}: {error}"})
@@ -621,7 +661,7 @@ def markdown(report: dict) -> str:
         parts = ", ".join(f"{p['at']} ({'yes' if p['near_tie'] else 'NO'})" for p in case["partings"]) or "-"
         lines.append(f"| {name} | {case['identical']}/{case['outputs']} | {parts} | {case['tau']:.2f} | "
                      f"{'yes' if case['ok'] else 'NO'} |")
-    for name in ("sampling", "stopping", "batched", "static_cache"):
+    for name in ("sampling", "stopping", "batched", "static_batched", "compiled_drafting", "static_cache"):
         if name in ex:
             check = ex[name]
             detail = check.get("reason") or ", ".join(f"{k}={v}" for k, v in check.items()

@@ -356,14 +356,23 @@ class LiLiCorrCorrector(Corrector):
             return self.token_proj(embedding(candidates).to(self.pass_hidden_proj.weight.dtype))
         return F.embedding(candidates, self._token_table(embedding))
 
+    def prepare_capture(self, embedding: nn.Module) -> None:
+        """The token table (`_token_table`), built for the graph to read."""
+        if not isinstance(self.token_proj, nn.Identity):  # without a projection there is no table to read
+            with torch.no_grad():
+                # A fixed address: CUDA graphs read it in place instead of copying it in at every replay.
+                torch._dynamo.mark_static_address(self._token_table(embedding))
+
     def _token_table(self, embedding: nn.Module) -> torch.Tensor:
         """token_proj(E) [V, h], rebuilt only when the embedding or token_proj changes (training, loading, `.to`).
 
         Built through the embedding module itself (some scale their rows in forward), a chunk of ids at a time so a
         large vocabulary never holds its [V, H] copy at once; it costs V x h numbers (25 MB for SmolLM2 in fp32)."""
+        cached = getattr(self, "_token_cache", None)
+        if torch.compiler.is_compiling() and cached is not None:
+            return cached[1]  # a compiled graph cannot trace the key: it reads the table `prepare_capture` built
         params = (*embedding.parameters(), *self.token_proj.parameters())
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        cached = getattr(self, "_token_cache", None)
         if cached is None or cached[0] != key:
             weight, rows = self.pass_hidden_proj.weight, embedding.weight
             ids = torch.arange(rows.shape[0], device=rows.device)
@@ -414,10 +423,13 @@ class LiLiCorrCorrector(Corrector):
         log_probs = log_probs.float()
         k = log_probs.shape[-1]
         key = (k, log_probs.device)
-        cached = getattr(self, "_rank_cache", None)
+        # A compiled graph builds the ranks in the graph: caching them there would change the module it guards on.
+        cached = None if torch.compiler.is_compiling() else getattr(self, "_rank_cache", None)
         if cached is None or cached[0] != key:  # [rank / (K - 1), is top-1] per candidate: top-1 (0, 1), last (1, 0)
             rank = torch.arange(k, device=log_probs.device, dtype=torch.float32) / max(k - 1, 1)
-            cached = self._rank_cache = (key, torch.stack([rank, (rank == 0).float()], dim=-1))  # [K, 2]
+            cached = (key, torch.stack([rank, (rank == 0).float()], dim=-1))  # [K, 2]
+            if not torch.compiler.is_compiling():
+                self._rank_cache = cached
         gap = log_probs - log_probs[..., :1]  # candidates come best first: the slot's max is candidate 0
         ranks = cached[1].expand(*log_probs.shape, 2)  # [R, S, K, 2]
         return torch.cat([torch.stack([log_probs, log_probs.exp(), gap], dim=-1), ranks], dim=-1)
@@ -428,14 +440,17 @@ class LiLiCorrCorrector(Corrector):
         Drafting builds it once per lattice shape (a handful of small ops per cycle otherwise); training, or any
         change of the two bias parameters, builds it afresh."""
         params = (self.relative_slot_bias, self.same_slot_bias)
-        key = (slots, k, *(p._version for p in params), *(p.data_ptr() for p in params), self.same_slot_bias.dtype)
+        # A compiled graph cannot trace the key's data pointers; it builds the bias in the graph (the same ops).
+        fresh = torch.is_grad_enabled() or torch.compiler.is_compiling()
+        key = None if fresh else (slots, k, *(p._version for p in params), *(p.data_ptr() for p in params),
+                                  self.same_slot_bias.dtype)
         cached = getattr(self, "_bias_cache", None)
-        if torch.is_grad_enabled() or cached is None or cached[0] != key:
+        if fresh or cached is None or cached[0] != key:
             slot = torch.arange(slots, device=self.same_slot_bias.device).repeat_interleave(k)  # [S*K]
             relative = slot[:, None] - slot[None, :] + self.block_size - 1  # centred on the trained table
             same = (slot[:, None] == slot[None, :]).to(self.same_slot_bias.dtype)
             bias = self.relative_slot_bias[:, relative] + same * self.same_slot_bias[:, None, None]
-            if torch.is_grad_enabled():
+            if fresh:
                 return bias
             cached = self._bias_cache = (key, bias)
         return cached[1]
