@@ -1,15 +1,19 @@
-"""The DFlash2 candidate selector (dcoco_hf/selector.py): its scores, lossless drafting and training."""
+"""The DFlash2 candidate selector (dcoco_hf/selector.py): its scores, lossless drafting, training and the public
+DFlash2 export."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from conftest import PROMPT_LEN, fit_drafter, make_target
+from safetensors.torch import load_file
 
 from dcoco_hf import DCOCOConfig, DCOCODrafter, speculative_generate
 from dcoco_hf.candidate_generator import DraftContextCache
+from dcoco_hf.export import export_dflash2
 from dcoco_hf.selector import SelectorCorrector
 from dcoco_hf.training import drafter_loss, target_context
 
@@ -158,3 +162,57 @@ def test_save_and_load_round_trip(selector_setup, tmp_path):
     assert loaded.config.corrector_type == "dflash2" and loaded.config.selector_rank == RANK
     assert loaded.corrector.predecessor_codebook.shape == (len(DRAFT_VOCAB), RANK)
     assert torch.equal(propose(loaded, target).tokens, propose(drafter, target).tokens)
+
+
+def public_scores(tensors: dict, config: dict, slot_hidden, candidates, unary, anchors):
+    """The DFlash2 format's transition scores, written from its description: token-indexed codebooks over the whole
+    vocabulary, the slot's projected hidden, the anchor as slot 1's predecessor."""
+    P = tensors["candidate_selector.predecessor_codebook"]  # [V, r]
+    S = tensors["candidate_selector.successor_codebook"]
+    W = tensors["candidate_selector.hidden_projection.weight"]  # [r, H]
+    assert P.shape == (config["vocab_size"], config["dflash_config"]["selector_rank"])
+    k = candidates.shape[-1]
+    before = torch.cat([anchors[:, None, None].expand(-1, 1, k), candidates[:, :-1]], dim=1)  # [R, S, K]
+    context = slot_hidden @ W.T  # [R, S, r]
+    return unary[:, :, None, :] + torch.einsum("rspd,rscd->rspc", P[before] * context[:, :, None], S[candidates])
+
+
+def test_dflash2_export_is_the_public_format_of_the_same_scores(selector_setup, tmp_path):
+    target, drafter = selector_setup
+    out = export_dflash2(drafter, tmp_path / "dflash2", block_size=5)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == 5
+    keys = config["dflash_config"]
+    assert (keys["selector_rank"], keys["selector_top_k"], keys["conv_kernel_size"]) == (RANK, 4, 1)
+    hidden = drafter.config.hidden_size
+    assert hidden % keys["conv_group_size"] == 0
+    assert not any(name.startswith(("corrector.", "draft_token_ids", "d2t", "lm_head")) for name in tensors)
+    for layer in range(drafter.config.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = tensors[f"layers.{layer}.{conv}.base_kernel"]
+            projection = tensors[f"layers.{layer}.{conv}.kernel_projection.weight"]
+            assert base.shape == (2, 1, hidden) and torch.equal(base, torch.ones_like(base))
+            assert projection.shape == (2 * hidden // keys["conv_group_size"], hidden) and not projection.any()
+    # Same scores as ours wherever the candidates are ours (draft-vocabulary tokens); zero codes elsewhere.
+    ids = torch.tensor(DRAFT_VOCAB)
+    g = torch.Generator().manual_seed(6)
+    candidates = ids[torch.randint(0, len(DRAFT_VOCAB), (2, 4, 4), generator=g)]
+    anchors = torch.tensor([int(ids[3]), 47])  # 47 is outside the draft vocabulary
+    slot_hidden, unary = torch.randn(2, 4, hidden, generator=g), torch.randn(2, 4, 4, generator=g)
+    with torch.no_grad():
+        start, pairs = drafter.score_candidates(torch.cat([torch.zeros(2, 1, hidden), slot_hidden], 1), anchors,
+                                                candidates, unary)
+        theirs = public_scores(tensors, config, slot_hidden, candidates, unary, anchors)
+    torch.testing.assert_close(start, theirs[:, 0, 0])
+    torch.testing.assert_close(pairs, theirs[:, 1:])
+    outside = [t for t in range(48) if t not in DRAFT_VOCAB]
+    assert not tensors["candidate_selector.successor_codebook"][outside].any()
+
+
+def test_other_correctors_do_not_export_as_dflash2(selector_setup, tmp_path):
+    target, drafter = selector_setup
+    config = copy.deepcopy(drafter.config)
+    config.corrector_type, config.draft_vocab_size = "dcoco", None
+    with pytest.raises(ValueError, match="candidate selector"):
+        export_dflash2(DCOCODrafter(config), tmp_path / "out")
