@@ -19,10 +19,12 @@ keeps 2 x 8192 x 16 numbers instead of 2 x 49152 x 16; a token outside it (an an
 proposed) has a zero code, so its transitions add nothing to the unary logits. The public format indexes the codebooks by
 token id over the whole vocabulary; `to_public_format` expands ours with zero rows elsewhere (`dcoco_hf/export.py`).
 
-A fresh selector has a zero successor codebook and random predecessor codes and projection: every bilinear term is
-0, so each score is the drafter's logit and the walk returns the drafter's argmax (the first of equal maxima is
-candidate 0, the drafter's top-1), as an untrained DCOCO or LiLiCorr head does. Only one factor starts at zero,
-because a product of factors gets no gradient while two of them are zero. Stage 2 trains it with the chain loss
+A fresh selector has a zero successor codebook and small random predecessor codes and projection: every bilinear
+term is 0, so each score is the drafter's logit and the walk returns the drafter's argmax (the first of equal maxima
+is candidate 0, the drafter's top-1), as an untrained DCOCO or LiLiCorr head does. Only one factor starts at zero,
+because a product of factors gets no gradient while two of them are zero. The predecessor codes start small (std
+`initializer_range`, as token embeddings do) because a token that is never a predecessor in training keeps its
+starting code, which then adds its noise to every score after it. Stage 2 trains it with the chain loss
 (`losses.lilicorr_loss`), the cross-entropy of the true token among the K successors of the true predecessor, slot by
 slot along the oracle prefix.
 """
@@ -49,13 +51,15 @@ class SelectorCorrector(Corrector):
         hidden_size: width H of the drafter's slot hiddens.
         codebook_size: rows of each codebook: the draft vocabulary's size, else the target's vocabulary.
         rank: width r of the codes (public `selector_rank`).
+        initializer_range: std of the fresh predecessor codes.
     """
 
     reads_draft_columns = True
     chain_loss = True
 
-    def __init__(self, hidden_size: int, codebook_size: int, rank: int = 16) -> None:
+    def __init__(self, hidden_size: int, codebook_size: int, rank: int = 16, initializer_range: float = 0.02) -> None:
         super().__init__()
+        self.initializer_range = initializer_range
         self.predecessor_codebook = nn.Parameter(torch.empty(codebook_size, rank))  # P [V', r]
         self.successor_codebook = nn.Parameter(torch.zeros(codebook_size, rank))  # S [V', r]
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)  # W [r, H]
@@ -63,7 +67,8 @@ class SelectorCorrector(Corrector):
 
     @classmethod
     def from_config(cls, config: Any) -> SelectorCorrector:
-        return cls(config.hidden_size, config.draft_vocab_size or config.vocab_size, config.selector_rank)
+        return cls(config.hidden_size, config.draft_vocab_size or config.vocab_size, config.selector_rank,
+                   config.initializer_range)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -75,9 +80,10 @@ class SelectorCorrector(Corrector):
         return True  # the anchor is slot 1's predecessor
 
     def init_weights(self) -> None:
-        """A fresh selector scores every candidate by its drafter logit (module docstring): S = 0, P ~ N(0, 1) so
-        the successor codes get a gradient from the first step (transformers' `init` leaves loaded tensors alone)."""
-        init.normal_(self.predecessor_codebook, std=1.0)
+        """A fresh selector scores every candidate by its drafter logit (module docstring): S = 0, P small and random
+        so the successor codes get a gradient from the first step (transformers' `init` leaves loaded tensors
+        alone)."""
+        init.normal_(self.predecessor_codebook, std=self.initializer_range)
         init.zeros_(self.successor_codebook)
 
     def score(
