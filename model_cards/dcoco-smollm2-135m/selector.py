@@ -122,8 +122,8 @@ class SelectorCorrector(Corrector):
             [R, S, K, K]; entry [r, l, a, c] scores candidate c at slot l + 1 after predecessor a.
         """
         context = self.hidden_projection(slot_hidden.to(self.hidden_projection.weight.dtype))  # [R, S, r]
-        before = self.codes(self.predecessor_codebook, predecessors) * context[:, :, None]  # [R, S, K, r]
-        after = self.codes(self.successor_codebook, successors)  # [R, S, K, r]
+        before = self.codes(self.predecessor_codebook, predecessors).to(context.dtype) * context[:, :, None]  # [R, S, K, r]
+        after = self.codes(self.successor_codebook, successors).to(context.dtype)  # [R, S, K, r]
         transition = torch.matmul(before, after.transpose(-1, -2)).float()  # [R, S, K, K]
         return unary_logits.float()[:, :, None, :] + transition
 
