@@ -137,6 +137,8 @@ def serve(spec: dict, scratch: Path, name: str, may_refuse: bool = False) -> dic
     spec_file, result_file = scratch / f"{name}.spec.json", scratch / f"{name}.result.json"
     spec_file.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_CACHE_ROOT=tempfile.mkdtemp(dir=scratch))
+    if spec.get("lift_candidate_head_check"):  # the lifted check holds in this process only: keep the engine here
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     log = scratch / f"{name}.log"
     with open(log, "w") as handle:
         code = subprocess.run([sys.executable, __file__, "--worker", f"{spec_file}:{result_file}"], env=env,
