@@ -119,8 +119,11 @@ def test_selector_scores_are_vllms_formula_on_the_export(dflash2_export):
     hidden = torch.randn(2, 3, drafter.config.hidden_size, generator=g)
     unary = torch.randn(2, 3, drafter.config.top_k, generator=g)
     with torch.no_grad():
-        start, pairs = drafter.score_candidates(torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1), anchors,
-                                                candidates, unary)
+        # What `score_candidates` hands the selector (no target needed): its codebook rows of the token ids.
+        start, pairs = drafter.corrector.score(
+            drafter.config, torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1), drafter.draft_columns(anchors),
+            drafter.draft_columns(candidates), unary, embedding=None,
+        )
         projected = hidden @ tensors["candidate_selector.hidden_projection.weight"].T
         theirs = _score_edges(tensors["candidate_selector.predecessor_codebook"],
                               tensors["candidate_selector.successor_codebook"], candidates, unary, projected, anchors,
