@@ -79,6 +79,9 @@ class Corrector(nn.Module):
     sized_by_block: ClassVar[bool] = False
     # Stage 2 trains it with the chain loss over the whole lattice instead of per-transition cross-entropy.
     chain_loss: ClassVar[bool] = False
+    # Token ids reach `score` as rows of the drafter's draft vocabulary (`DCOCODraftModel.draft_columns`; -1 outside
+    # it): a corrector with per-token tables keeps them draft-vocabulary sized (the DFlash2 selector's codebooks).
+    reads_draft_columns: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: Any) -> Corrector:

@@ -14,6 +14,17 @@ and an `lm_head.weight` of the draft vocabulary's rows of the target's lm_head, 
 lm_head only when the checkpoint has none, and that full head does not fit a draft-sized vocabulary. That needs the
 target, so the full vocabulary (no `d2t`, no `lm_head`) is the default.
 
+The `dflash2` format is the public DFlash2 one, for a drafter whose corrector is the DFlash2 candidate selector
+(`corrector_type="dflash2"`, `dcoco_hf/selector.py`): config.json names `DFlash2DraftModel` and adds `selector_rank`,
+`selector_top_k`, `conv_kernel_size` and `conv_group_size` to `dflash_config`; model.safetensors adds the selector
+under `candidate_selector.*`, its codebooks expanded to the whole vocabulary (zero rows for tokens outside our draft
+vocabulary), and the two grouped causal convolutions every DFlash2 decoder layer has (`layers.N.attention_conv`,
+`layers.N.mlp_conv`). Our backbone has none, so they are written as the identity: one tap, base kernel 1, zero kernel
+projection, which multiplies every hidden state by exactly 1 (tests/test_selector.py checks it against vLLM's
+formula). The format has no draft vocabulary (its candidate head reads the full lm_head), so engines take each slot's
+top-K over the whole vocabulary; where a token outside our draft vocabulary enters it, the served block can differ
+from ours (docs/selector.md).
+
 The `vllm` format is the `dflash` one (full vocabulary) plus the corrector: config.json names our architecture
 (`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.vllm_plugin` through the `vllm.general_plugins` entry
 point) and carries the corrector's settings and decoding choices under `dcoco_config`; model.safetensors adds the
@@ -22,7 +33,8 @@ point) and carries the corrector's settings and decoding choices under `dcoco_co
 
     dcoco-hf export --format dflash [DRAFTER] OUT [--block-size B] [--draft-vocab --target T]
     dcoco-hf export --format vllm [DRAFTER] OUT [--block-size B]
-    export_dflash(drafter, "OUT"); export_vllm(drafter, "OUT")
+    dcoco-hf export --format dflash2 [DRAFTER] OUT [--block-size B]
+    export_dflash(drafter, "OUT"); export_vllm(drafter, "OUT"); export_dflash2(drafter, "OUT")
 """
 
 from __future__ import annotations
@@ -41,9 +53,12 @@ from .configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
 from .corrector import DCOCOCorrector
 from .correctors import corrector_class
 from .drafter import DCOCODrafter, check_compatible
+from .selector import PUBLIC_ARCHITECTURE as DFLASH2_ARCHITECTURE
+from .selector import SelectorCorrector
+from .selector import public_tensors as selector_tensors
 from .vllm_plugin import ARCHITECTURE as VLLM_ARCHITECTURE
 
-FORMATS = ("dflash", "vllm")
+FORMATS = ("dflash", "vllm", "dflash2")
 BACKBONE_KEY = re.compile(r"^(fc\.weight|hidden_norm\.weight|norm\.weight|layers\.\d+\.[\w.]+)$")
 # Saved with a DCOCO drafter but not part of the DFlash backbone: dropped by the export (and named in its card).
 DROPPED_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
@@ -252,6 +267,95 @@ def export_vllm(
     return out
 
 
+def export_dflash2(
+    drafter: DCOCODrafter,
+    out_dir: str | Path,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    source: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `drafter` (backbone and DFlash2 candidate selector) in the public DFlash2 format; returns the folder.
+    Arguments as `export_dflash`; the full vocabulary is written (the format has no draft vocabulary), so no target is
+    needed."""
+    out = Path(out_dir)
+    check_export_folder(out, source, overwrite)
+    if not isinstance(drafter.corrector, SelectorCorrector):
+        raise ValueError(f"The dflash2 format carries a DFlash2 candidate selector; this drafter's corrector is "
+                         f"{drafter.config.corrector_type!r}. Train one (scripts/train_drafter.py --corrector dflash2) "
+                         "or export the backbone with --format dflash.")
+    dtype = dtype or drafter.fc.weight.dtype
+    tensors = backbone_tensors(drafter, dtype)
+    tensors.update(identity_convolutions(drafter.config, dtype))
+    ids = drafter.draft_token_ids
+    selector = selector_tensors(drafter.state_dict(), None if ids is None else ids.cpu(), drafter.config.vocab_size)
+    tensors.update({k: v.to("cpu", dtype) for k, v in selector.items()})
+    config = dflash_config(drafter, block_size, dtype)
+    config["architectures"] = [DFLASH2_ARCHITECTURE]
+    config["dflash_config"].update(dflash2_fields(drafter.config))
+    if drafter._target_ref is not None and drafter._target_ref() is not None:
+        check_compatible(drafter.config, drafter.target)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "README.md").write_text(dflash2_card(drafter, config, source))
+    return out
+
+
+def dflash2_fields(config: DCOCOConfig) -> dict:
+    """The DFlash2 keys of `dflash_config`: the selector's geometry and the identity convolutions' (one tap, one
+    group as wide as the hidden state: the smallest kernel projection, [2, H])."""
+    return {"selector_rank": config.selector_rank, "selector_top_k": config.top_k, "conv_kernel_size": 1,
+            "conv_group_size": config.hidden_size}
+
+
+def identity_convolutions(config: DCOCOConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each decoder layer's two DFlash2 convolutions as the identity (module docstring): a coefficient of base 1 plus
+    a projected delta of 0 on the one tap, for both the input and the output side of the sublayer."""
+    hidden = config.hidden_size
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            prefix = f"layers.{layer}.{conv}."
+            tensors[prefix + "base_kernel"] = torch.ones(2, 1, hidden, dtype=dtype)  # [sides, taps, H]
+            tensors[prefix + "kernel_projection.weight"] = torch.zeros(2, hidden, dtype=dtype)  # [2 * taps * groups, H]
+    return tensors
+
+
+def dflash2_card(drafter: DCOCODrafter, config: dict, source: str | None) -> str:
+    """README.md of the dflash2 export: what it holds, how it differs from the drafter, how engines serve it."""
+    cfg, block = drafter.config, config["block_size"]
+    vocab = (f"Our selector keeps codes for its {cfg.draft_vocab_size}-token draft vocabulary; the other rows of the "
+             "codebooks are zero, and the engines rank each slot's candidates over the whole vocabulary (the format "
+             "has no draft vocabulary), so a block can differ from the one dcoco-hf drafts where a token outside the "
+             "draft vocabulary enters a slot's top-K." if cfg.draft_vocab_size else "")
+    return f"""---
+tags:
+- dflash
+- dflash2
+- speculative-decoding
+---
+
+# DFlash2 drafter (exported by dcoco-hf)
+
+{f"Exported from `{source}`. " if source else ""}A DFlash drafter ({cfg.num_hidden_layers} Qwen3-style layers of width
+{cfg.hidden_size}, reading target layers {list(cfg.target_layer_ids)}, blocks of {block}, mask token
+{cfg.mask_token_id}) with its DFlash2 candidate selector (rank {cfg.selector_rank}, top-{cfg.top_k} candidates per
+slot) in the public DFlash2 format (`{DFLASH2_ARCHITECTURE}`). Each decoder layer's two grouped convolutions are the
+identity (one tap, base kernel 1, zero kernel projection): this backbone was trained without them. {vocab}
+
+## Serve it
+
+```bash
+vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
+```
+
+vLLM runs the selector in its V2 GPU model runner only; its V1 runner (the CPU build's) refuses candidate-head drafts
+rather than serve them as plain DFlash. TARGET is the model the drafter was trained for ({cfg.num_target_layers}
+decoder layers, hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}). Outputs are the target's own.
+"""
+
+
 def corrector_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The corrector's tensors, the corpus pair counts and the draft vocabulary's ids, as CPU copies (float weights in
     `dtype`, integer tables as they are)."""
@@ -308,11 +412,14 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
     export = commands.add_parser(
         "export", parents=[common],
         help="write the drafter for a serving engine (dflash: the backbone in the z-lab format vLLM and SGLang serve; "
-        "vllm: backbone and corrector, for vLLM with the dcoco-hf plugin)",
+        "vllm: backbone and corrector, for vLLM with the dcoco-hf plugin; dflash2: backbone and DFlash2 candidate "
+        "selector in the public DFlash2 format)",
         description="Writes the drafter as config.json, model.safetensors and README.md. --format dflash: its DFlash "
         "backbone in the public z-lab format; the DCOCO corrector is dropped (vLLM and SGLang serve plain DFlash). "
         "--format vllm: backbone and corrector, served by vLLM's dflash method through this package's plugin "
-        "(pip install \"dcoco-hf[vllm]\"; docs/serving.md).",
+        "(pip install \"dcoco-hf[vllm]\"; docs/serving.md). --format dflash2: a drafter with a DFlash2 candidate "
+        "selector (corrector_type dflash2) in the public DFlash2 format, served by vLLM's V2 model runner "
+        "(docs/selector.md).",
     )
     export.add_argument("paths", nargs="+", metavar="[DRAFTER] OUT",
                         help="the drafter folder (optional: else --drafter, else the shipped one), then the output folder")
@@ -341,8 +448,8 @@ def export_paths(args: argparse.Namespace) -> tuple[str, str]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     source, out_dir = export_paths(args)
-    if args.format == "vllm" and args.draft_vocab:
-        raise CLIError("--draft-vocab belongs to --format dflash: the vllm format keeps the draft vocabulary anyway.")
+    if args.format != "dflash" and args.draft_vocab:
+        raise CLIError(f"--draft-vocab belongs to --format dflash: the {args.format} format keeps its own vocabulary.")
     drafter = load_drafter(source, torch.device("cpu"), None, "sdpa")  # None: the dtype the checkpoint was saved in
     dtype = DTYPES.get(args.export_dtype)
     try:
@@ -351,7 +458,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.draft_vocab:  # the export carries the target lm_head's draft rows; no tuning needed for that
             target = load_target(args.target, torch.device("cpu"), torch.float32, "sdpa")[0]
             drafter.attach(target, tune=False)
-        if args.format == "vllm":
+        if args.format == "dflash2":
+            out = export_dflash2(drafter, out_dir, block_size=args.block_size, dtype=dtype, source=source,
+                                 overwrite=args.overwrite)
+        elif args.format == "vllm":
             out = export_vllm(drafter, out_dir, block_size=args.block_size, dtype=dtype, source=source,
                               overwrite=args.overwrite)
         else:
@@ -361,11 +471,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(str(error)) from None
     except OSError as error:  # e.g. a read-only output folder
         raise CLIError(f"could not write the export to {out_dir}: {error}") from None
-    what = ("the DCOCO drafter (backbone and corrector, for vLLM with the dcoco-hf plugin)" if args.format == "vllm"
-            else "the DFlash backbone")
-    dropped = "" if args.format == "vllm" else "corrector dropped; "
+    what = {"vllm": "the DCOCO drafter (backbone and corrector, for vLLM with the dcoco-hf plugin)",
+            "dflash2": "the DFlash2 drafter (backbone and candidate selector, public DFlash2 format)"}.get(
+                args.format, "the DFlash backbone")
+    dropped = "" if args.format != "dflash" else "corrector dropped; "
     print(f"wrote {what} of {source} to {out} ({dropped}see {out / 'README.md'})")
     return 0
 
 
-__all__ = ["add_export_parser", "export_dflash", "export_vllm"]
+__all__ = ["add_export_parser", "export_dflash", "export_dflash2", "export_vllm"]

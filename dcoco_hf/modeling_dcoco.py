@@ -322,10 +322,15 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         draft vocabulary, the token ids themselves."""
         if self.draft_token_ids is None:
             return token_ids
-        ids = self.draft_token_ids.to(token_ids.device)
-        column_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
-        column_of[ids] = torch.arange(ids.numel(), device=token_ids.device)
-        return column_of[token_ids]
+        ids = self.draft_token_ids
+        # Built once per vocabulary: drafting asks for columns every cycle (the DFlash2 selector's codebook rows).
+        key = (ids.data_ptr(), 0 if ids.is_inference() else ids._version, token_ids.device)
+        cached = getattr(self, "_column_cache", None)
+        if cached is None or cached[0] != key:
+            column_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+            column_of[ids.to(token_ids.device)] = torch.arange(ids.numel(), device=token_ids.device)
+            cached = self._column_cache = (key, column_of)
+        return cached[1][token_ids]
 
     def _draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target lm_head's rows of the draft vocabulary, sliced once per (lm_head, vocabulary)."""
@@ -397,6 +402,8 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         )
         candidate_log_probs, = scored(candidate_log_probs)
         anchor = None if anchor is None else tuple(scored(*anchor))
+        if self.corrector.reads_draft_columns:  # its token tables are draft-vocabulary sized
+            anchor_ids, candidates = self.draft_columns(anchor_ids), self.draft_columns(candidates)
         return self.corrector.score(
             self.config, block_hidden, anchor_ids, candidates, candidate_logits, self.input_embedding(),
             candidate_log_probs, anchor, seen, corpus,

@@ -1,7 +1,9 @@
-r"""DFlash, DCOCO and LiLiCorr side by side: one run, the same prompts, every method interleaved per prompt.
+r"""DFlash, DCOCO, LiLiCorr and the DFlash2 selector side by side: one run, the same prompts, every method
+interleaved per prompt.
 
-`dcoco-hf bench` loads one drafter; this loads two that share their DFlash backbone (the DCOCO drafter and a LiLiCorr
-drafter trained on its frozen backbone) and runs, for each prompt, in an order rotated per prompt:
+`dcoco-hf bench` loads one drafter; this loads those that share their DFlash backbone (the DCOCO drafter, a LiLiCorr
+drafter trained on its frozen backbone and, with --selector-drafter, a DFlash2 selector trained the same way) and
+runs, for each prompt, in an order rotated per prompt:
 
 * vanilla:   plain greedy `target.generate()`;
 * dflash@B:  the DCOCO drafter with its corrector off (plain DFlash argmax blocks, our engine);
@@ -9,6 +11,7 @@ drafter trained on its frozen backbone) and runs, for each prompt, in an order r
 * lilicorr@B: the LiLiCorr drafter;
 * lilicorr-plain@B: the same LiLiCorr drafter with its pair evidence off (loaded with context_bigrams=False,
   corpus_bigrams=None), the head alone, as the public format exports it; only when the drafter has evidence;
+* dflash2@B: with `--selector-drafter FOLDER`, the DFlash2 candidate selector drafter (dcoco_hf/selector.py);
 * dflash-LABEL@B: with `--backbone LABEL=FOLDER`, another backbone with its corrector off (DScout's AWL, its control),
 
 all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanilla on the same prompts), the head's
@@ -20,6 +23,8 @@ fp32, with the CLI's CPU speed-ups (the "sdpa_cpu_gqa" attention and few-rows li
         --backbone awl=runs/awl-backbone/final --backbone decay=runs/decay-backbone/final \
         --json docs/bench_lilicorr.json
     python scripts/bench_lilicorr.py --render docs/bench_lilicorr.json --write docs/lilicorr.md   # its table
+    python scripts/bench_lilicorr.py --suite humaneval,mtbench --prompts scripts/prompts/mixed-heldout.jsonl \
+        --selector-drafter model_cards/dflash2-selector-smollm2-135m --json docs/bench_selector.json   # + DFlash2
 
 Summaries are kept per suite and per segment of 20 prompts (1-20, 21-40), so a choice tuned on the first prompts is
 checked on prompts it was not made on.
@@ -54,6 +59,7 @@ from dcoco_hf.cli_common import (
 )
 from dcoco_hf.cpu_linear import use_few_rows_linear
 from dcoco_hf.lilicorr import LiLiCorrCorrector
+from dcoco_hf.selector import SelectorCorrector
 
 ROOT = Path(__file__).resolve().parents[1]
 # The few-rows layouts `attach` measured for SmolLM2-135M on the 2-core AMD EPYC machine of docs/lilicorr.md.
@@ -65,7 +71,7 @@ def table_markers(source: str) -> tuple[str, str]:
     """The lines between which a document holds the table of report `source`."""
     return f"<!-- table of {source}: start -->", f"<!-- table of {source}: end -->"
 
-SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
+SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "mixed-heldout": "held-out (mixed)"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     add_prompt_arguments(p)
     p.add_argument("--dcoco-drafter", default=str(ROOT / "model_cards" / "dcoco-smollm2-135m"))
     p.add_argument("--lilicorr-drafter", default=str(ROOT / "model_cards" / "lilicorr-smollm2-135m"))
+    p.add_argument("--selector-drafter", default=None, metavar="FOLDER",
+                   help="a drafter with a DFlash2 candidate selector on the same backbone, run as method dflash2@B")
     p.add_argument("--backbone", action="append", default=[], metavar="LABEL=FOLDER",
                    help="another drafter whose backbone to compare, corrector off, as method dflash-LABEL@B (e.g. "
                    "awl=runs/awl-backbone/final); repeatable")
@@ -107,12 +115,17 @@ def main() -> None:
     extra = {}  # runner label -> more drafters: the LiLiCorr head alone, --backbone folders
     for given in args.backbone:
         label, sep, folder = given.partition("=")
-        if not sep or not label or not folder or label in ("dcoco", "lilicorr", "lilicorr-plain"):
+        if not sep or not label or not folder or label in ("dcoco", "lilicorr", "lilicorr-plain", "dflash2"):
             raise SystemExit(f"--backbone {given}: give LABEL=FOLDER with a new label (awl=runs/awl-backbone/final)")
         extra[label] = load_drafter(folder, target.device, target.dtype, "sdpa")
     if not isinstance(lilicorr.corrector, LiLiCorrCorrector):
         raise SystemExit(f"--lilicorr-drafter {args.lilicorr_drafter}: its corrector_type is "
                          f"{lilicorr.config.corrector_type!r}, not 'lilicorr'")
+    if args.selector_drafter:
+        extra["dflash2"] = load_drafter(args.selector_drafter, target.device, target.dtype, "sdpa")
+        if not isinstance(extra["dflash2"].corrector, SelectorCorrector):
+            raise SystemExit(f"--selector-drafter {args.selector_drafter}: its corrector_type is "
+                             f"{extra['dflash2'].config.corrector_type!r}, not 'dflash2'")
     if lilicorr.corrector.evidence is not None:  # the head alone, next to it
         extra["lilicorr-plain"] = load_drafter(args.lilicorr_drafter, target.device, target.dtype, "sdpa",
                                                context_bigrams=False, corpus_bigrams=None)
@@ -135,7 +148,9 @@ def main() -> None:
     plan = [("vanilla", "dcoco", "vanilla"), (f"dflash@{b}", "dcoco", f"dflash@{b}"),
             (f"dcoco@{b}", "dcoco", f"dcoco@{b}"), (f"lilicorr@{b}", "lilicorr", f"dcoco@{b}")]
     plan += [(f"lilicorr-plain@{b}", "lilicorr-plain", f"dcoco@{b}")] if "lilicorr-plain" in extra else []
-    plan += [(f"dflash-{label}@{b}", label, f"dflash@{b}") for label in extra if label != "lilicorr-plain"]
+    plan += [(f"dflash2@{b}", "dflash2", f"dcoco@{b}")] if "dflash2" in extra else []
+    plan += [(f"dflash-{label}@{b}", label, f"dflash@{b}") for label in extra if label not in ("lilicorr-plain",
+                                                                                                "dflash2")]
     if args.methods:
         wanted = {"vanilla", *args.methods.split(",")}
         unknown = wanted - {label for label, _, _ in plan}
@@ -182,7 +197,7 @@ def write_report(args: argparse.Namespace, records: list, labels: list[str], pla
     b = args.block_size
     config = {"command": " ".join(sys.argv), "few_rows_linear": not args.plain_linear, "target": target_name,
               "dcoco_drafter": args.dcoco_drafter,
-              "lilicorr_drafter": args.lilicorr_drafter, "block_size": b, "max_new_tokens": args.max_new_tokens,
+              "lilicorr_drafter": args.lilicorr_drafter, "selector_drafter": args.selector_drafter, "block_size": b, "max_new_tokens": args.max_new_tokens,
               "prompts_planned": planned, "prompts_done": len(records) // len(labels), "skip": args.skip,
               "limit": args.limit}
     report = build_report(records, labels, config)

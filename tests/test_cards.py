@@ -49,7 +49,8 @@ def run_snippet(code: str, folder: Path, monkeypatch) -> dict:
 
 
 def test_every_card_is_found():
-    assert {p.name for p in MODEL_CARDS} == {"dcoco-smollm2-135m", "lilicorr-smollm2-135m"}
+    assert {p.name for p in MODEL_CARDS} == {"dcoco-smollm2-135m", "lilicorr-smollm2-135m",
+                                             "dflash2-selector-smollm2-135m"}
     assert len(DATASET_CARDS) == 4
 
 

@@ -10,18 +10,19 @@ import pytest
 from dcoco_hf.corrector import Corrector, DCOCOCorrector
 from dcoco_hf.correctors import CORRECTORS, corrector_class
 from dcoco_hf.lilicorr import LiLiCorrCorrector
+from dcoco_hf.selector import SelectorCorrector
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_registry_names_both_correctors():
-    assert CORRECTORS == {"dcoco": DCOCOCorrector, "lilicorr": LiLiCorrCorrector}
+def test_registry_names_the_three_correctors():
+    assert CORRECTORS == {"dcoco": DCOCOCorrector, "lilicorr": LiLiCorrCorrector, "dflash2": SelectorCorrector}
     assert all(issubclass(cls, Corrector) for cls in CORRECTORS.values())
-    assert corrector_class("lilicorr") is LiLiCorrCorrector
+    assert corrector_class("lilicorr") is LiLiCorrCorrector and corrector_class("dflash2") is SelectorCorrector
 
 
 def test_unknown_corrector_names_the_choices():
-    with pytest.raises(ValueError, match=r"corrector_type='tree' is unknown; choose one of \('dcoco', 'lilicorr'\)"):
+    with pytest.raises(ValueError, match=r"corrector_type='tree' is unknown; choose one of \('dcoco', 'lilicorr', 'dflash2'\)"):
         corrector_class("tree")
 
 

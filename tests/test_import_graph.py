@@ -20,6 +20,7 @@ NETWORK_MODULES = {
     "dcoco_hf.corrector",
     "dcoco_hf.correctors",
     "dcoco_hf.lilicorr",
+    "dcoco_hf.selector",
 }
 HUB_FOLDER_MAX_PY_FILES = 6
 

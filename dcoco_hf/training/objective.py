@@ -84,7 +84,8 @@ def drafter_loss(
     checkpoint can be trained on several sizes (DScout's mixed horizons, see `DrafterTrainingModel`).
     `pair_loss`: "joint" (the paper's K^2 softmax) or "successor" (the true predecessor's row only, see losses).
     `slot_weighting`: the DFlash slot loss's weights, "decay" (exp(-(k-1)/gamma)) or "awl" (DScout's acceptance
-    weights, `awl_slot_weights`). With a corrector trained by its chain loss (LiLiCorr's) stage 2 is that loss.
+    weights, `awl_slot_weights`). With a corrector trained by its chain loss (LiLiCorr's, the DFlash2 selector's)
+    stage 2 is that loss.
     """
     pair_loss_of = pair_loss_fn(pair_loss)
     if slot_weighting not in SLOT_WEIGHTINGS:
@@ -169,7 +170,8 @@ def _lilicorr_stage(
     input_ids: torch.LongTensor,
     loss_mask: torch.BoolTensor,
 ) -> DrafterLoss:
-    """Stage 2 with a LiLiCorr head: score each block's whole lattice as `propose` does, then the chain loss.
+    """Stage 2 with a corrector trained by the chain loss (LiLiCorr's head, the DFlash2 selector): score each
+    block's whole lattice as `propose` does, then the chain loss.
 
     Every slot of a scored block needs its candidates (the lattice attention reads them all), so the lm_head runs over
     all slots of the blocks whose slot 1 is labelled; blocks without a labelled slot 1 teach the chain nothing.
@@ -177,16 +179,19 @@ def _lilicorr_stage(
     cfg = drafter.config
     rows = labelled[..., 0]  # [N, m]
     logits, column_tokens = drafter.proposal_logits(block_hidden[rows][:, 1:])  # [R, S, V']
-    top = drafter.slot_candidates(logits, column_tokens)  # [R, S, K] ids, logits, log-probs
-    # The anchor row is the fused target context just before each block, as drafting reads it (`anchor_rows`).
-    sequence, before = rows.nonzero()[:, 0], blocks.anchors[rows] - 1  # [R], [R]
-    anchor = drafter.fuse_target_states(context_states[sequence, before.clamp(min=0)])  # [R, H]
+    top = drafter.slot_candidates(logits, column_tokens)  # [R, S, K] ids, logits, log-probs (or None)
+    scored = [*top, None, None]
+    if drafter.corrector.reads_anchor_state:
+        # The anchor row is the fused target context just before each block, as drafting reads it (`anchor_rows`).
+        sequence, before = rows.nonzero()[:, 0], blocks.anchors[rows] - 1  # [R], [R]
+        scored[3:] = drafter.fuse_target_states(context_states[sequence, before.clamp(min=0)]), before >= 0  # [R, H]
     # Back to one entry per block [N, m, ...] (zeros where unscored): the pair evidence reads each block's sequence.
     candidates, candidate_logits, log_probs, anchor, anchor_valid = (
-        x.new_zeros(*rows.shape, *x.shape[1:]).index_put((rows,), x) for x in (*top, anchor, before >= 0)
+        None if x is None else x.new_zeros(*rows.shape, *x.shape[1:]).index_put((rows,), x) for x in scored
     )
     start, pairs = drafter.score_candidates(
-        block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=(anchor, anchor_valid),
+        block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
+        anchor=None if anchor is None else (anchor, anchor_valid),
         context_ids=input_ids, anchor_positions=blocks.anchors, exclude=(input_ids, loss_mask), rows=rows,
     )  # [R, K], [R, S - 1, K, K]
     index, found = candidate_index(top[0], blocks.labels[rows], labelled[rows])  # [R, S]

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from .corrector import Corrector, DCOCOCorrector
 from .lilicorr import LiLiCorrCorrector
+from .selector import SelectorCorrector
 
-CORRECTORS: dict[str, type[Corrector]] = {"dcoco": DCOCOCorrector, "lilicorr": LiLiCorrCorrector}
+CORRECTORS: dict[str, type[Corrector]] = {
+    "dcoco": DCOCOCorrector, "lilicorr": LiLiCorrCorrector, "dflash2": SelectorCorrector,
+}
 CORRECTOR_TYPES = tuple(CORRECTORS)
 
 

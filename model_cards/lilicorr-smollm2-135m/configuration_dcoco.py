@@ -94,12 +94,15 @@ class DCOCOConfig(PreTrainedConfig):
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
             draft_vocab_size times cheaper. None: the whole vocabulary.
         corrector_type: which corrector re-selects the candidates: "dcoco" (the transition MLP, default; every config
-            written before this field loads as "dcoco") or "lilicorr" (`dcoco_hf/lilicorr.py`: one lattice transformer,
-            cosine scores). Both feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
+            written before this field loads as "dcoco"), "lilicorr" (`dcoco_hf/lilicorr.py`: one lattice transformer,
+            cosine scores) or "dflash2" (`dcoco_hf/selector.py`: DFlash2's low-rank bilinear candidate selector).
+            All feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
             loads as "lilicorr".
         lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
         lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
             in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
+        selector_rank: width r of the DFlash2 candidate selector's token codes (`corrector_type="dflash2"`,
+            `dcoco_hf/selector.py`); its candidates per slot are `top_k` (the public `selector_top_k`).
         base_drafter: when set, this folder's model.safetensors holds only the tensors that differ from another
             drafter's (e.g. a corrector head trained on a frozen backbone), and `from_pretrained` reads the rest from
             that drafter, as PEFT adapters name their base model: a path relative to this folder, starting with ./ or
@@ -152,6 +155,7 @@ class DCOCOConfig(PreTrainedConfig):
     lilicorr_factor_dim: int = 64
     lilicorr_vector_eps: float = 1e-4
     lilicorr_logit_scale: float = 10.0
+    selector_rank: int = 16
     base_drafter: str | None = None
 
     def __init__(
