@@ -145,10 +145,15 @@ def serve(spec: dict, scratch: Path, name: str, may_refuse: bool = False) -> dic
                               stdout=handle, stderr=subprocess.STDOUT).returncode
     if code != 0 and may_refuse:
         errors = [line.strip() for line in log.read_text().splitlines() if "Error" in line or "error," in line]
-        return {"refused": errors[-1] if errors else f"exit {code}"}
+        return {"refused": refusal(errors[-1]) if errors else f"exit {code}"}
     if code != 0:
         raise SystemExit(f"vLLM run '{name}' failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
     return json.loads(result_file.read_text())
+
+
+def refusal(line: str) -> str:
+    """vLLM's reason from its last error line (a pydantic validation line keeps the message alone)."""
+    return line.split("Value error, ", 1)[-1].split(" [type=", 1)[0]
 
 
 def summarise(runs: dict) -> dict:

@@ -25,6 +25,12 @@ CARD = ROOT / "model_cards" / DEFAULT_DRAFTER_NAME
 _SYNC = runpy.run_path(str(ROOT / "scripts" / "sync_model_card.py"))
 _RESULTS = runpy.run_path(str(ROOT / "scripts" / "results_table.py"))
 CODE_FILES = tuple(_SYNC["remote_code_files"]())
+HEAD_CARDS = [ROOT / "model_cards" / "lilicorr-smollm2-135m", ROOT / "model_cards" / "dflash2-selector-smollm2-135m"]
+# Each side-by-side bench JSON and the documents that show its table.
+TABLES = {
+    "docs/bench_lilicorr.json": ["docs/lilicorr.md", "model_cards/lilicorr-smollm2-135m/README.md"],
+    "docs/bench_selector.json": ["docs/selector.md", "model_cards/dflash2-selector-smollm2-135m/README.md"],
+}
 
 
 def test_folder_is_complete_and_hub_ready():
@@ -35,7 +41,7 @@ def test_folder_is_complete_and_hub_ready():
     assert "RESULTS_TABLE" not in (CARD / "README.md").read_text()
 
 
-@pytest.mark.parametrize("card", [CARD, ROOT / "model_cards" / "lilicorr-smollm2-135m"], ids=lambda p: p.name)
+@pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
 @pytest.mark.parametrize("name", CODE_FILES)
 def test_shipped_code_matches_the_package(card, name):
     package = Path(dcoco_hf.__file__).parent / name
@@ -115,14 +121,15 @@ def test_readme_and_card_are_product_docs():
         assert f"`dcoco_hf/{shown}" in readme or f"`{path.name}`" in readme or f", `{path.name}" in readme, name
 
 
-@pytest.mark.parametrize("source", ["docs/bench_lilicorr.json"])
-def test_lilicorr_tables_are_their_json_files(source):
-    """The LiLiCorr tables (docs/lilicorr.md, its model card) are `scripts/bench_lilicorr.py --render`'s rendering of
-    the JSON file they name, and every output of that run equals plain greedy."""
+@pytest.mark.parametrize("source", sorted(TABLES))
+def test_side_by_side_tables_are_their_json_files(source):
+    """The side-by-side tables (LiLiCorr's in docs/lilicorr.md and its card, the DFlash2 selector's in docs/selector.md
+    and its card) are `scripts/bench_lilicorr.py --render`'s rendering of the JSON file they name, and every output of
+    that run equals plain greedy."""
     bench = runpy.run_path(str(ROOT / "scripts" / "bench_lilicorr.py"))
     report = json.loads((ROOT / source).read_text())
     start, end = bench["table_markers"](source)
-    for doc in (ROOT / "docs" / "lilicorr.md", ROOT / "model_cards" / "lilicorr-smollm2-135m" / "README.md"):
+    for doc in (ROOT / name for name in TABLES[source]):
         shown = doc.read_text().split(start, 1)[1].split(end, 1)[0].strip()
         assert shown == bench["markdown_table"](report, source), f"run bench_lilicorr.py --render {source} --write {doc}"
     for segments in report["segments"].values():
@@ -131,7 +138,7 @@ def test_lilicorr_tables_are_their_json_files(source):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("card", [CARD, ROOT / "model_cards" / "lilicorr-smollm2-135m"], ids=lambda p: p.name)
+@pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
 def test_the_folders_own_code_drafts_what_the_package_drafts(card):
     """The network class a shipped folder's code builds (what a Hub user without the package gets), given the
     shipped weights and the real target's states, picks the same candidates, transition scores and drafts as the
@@ -177,3 +184,22 @@ def test_the_folders_own_code_drafts_what_the_package_drafts(card):
             torch.testing.assert_close(scores, reference.transition_scores, rtol=1e-4, atol=1e-4)
             assert torch.equal(candidates.gather(-1, chosen[..., None]).squeeze(-1), reference.tokens)
     assert cut > ids.shape[1] + 10  # several drafts compared
+
+
+@pytest.mark.slow
+def test_shipped_selector_is_lossless_on_the_default_target():
+    """The DFlash2 selector folder, loaded by AutoModel with its own code and the package imported, drafts for the
+    real target, and greedy output is plain greedy output."""
+    target, tokenizer = load_default_target()
+    drafter = AutoModel.from_pretrained(HEAD_CARDS[1], trust_remote_code=True).attach(target)
+    assert type(drafter).__name__ == "DCOCODrafter" and drafter.config.corrector_type == "dflash2"
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )["input_ids"]
+    with torch.no_grad():
+        expected = target.generate(ids, max_new_tokens=32, do_sample=False)
+        got = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter)
+    assert got.tolist() == expected.tolist()
+    stats = drafter.generation_stats(got)
+    assert stats.corrector_seconds > 0 and stats.committed_tokens == 32
