@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "tuning": drafter.tuning.summary() if drafter.tuning else None, "totals": totals,
                   "records": records}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n", encoding="utf-8")
     return totals
 
 
@@ -149,7 +149,7 @@ def repeat_in_processes(args: argparse.Namespace, argv: list[str]) -> dict:
         report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(),
                   "totals": middle["totals"], "records": middle["records"], "spread": spread, "runs": runs}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n", encoding="utf-8")
     return middle["totals"]
 
 
