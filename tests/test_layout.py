@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dcoco_hf"
 LEAVES = (
-    "tap", "context_cache", "device", "configuration_dcoco", "corrector", "lilicorr", "cpu_attention", "cpu_linear",
+    "tap", "context_cache", "device", "configuration_dcoco", "corrector", "lilicorr", "selector", "cpu_attention", "cpu_linear",
     "logs", "correctors",
 )
 
