@@ -83,7 +83,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.stopping_criteria = StoppingCriteriaList(c for c in stopping_criteria or () if not isinstance(c, handled))
         self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
         self._length: int | None = None  # committed tokens when transformers last reported
-        self._pending: tuple[int, int, int] | None = None  # the cycle's (proposed, drafted block, tap forwards)
+        self._pending: tuple[int, int] | None = None  # the cycle's (proposed, drafted block) until verified
         self._cycle_start: float | None = None  # when the previous verification was reported
         self._closed_sequence: torch.LongTensor | None = None
         self._last_committed: torch.LongTensor | None = None
@@ -140,7 +140,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.vocab_size,
         )
         self._draft_forwards = self.tap.forward_count
-        self._pending = (tokens.shape[1], proposal.tokens.shape[1] + 1, self._draft_forwards)
+        self._pending = (tokens.shape[1], proposal.tokens.shape[1] + 1)
         self._last_committed = committed
         self._plain_since_draft = 0
         driver = self.driver
@@ -157,13 +157,13 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         new = input_ids[0, length:].tolist()
         self._length = input_ids.shape[1]
         pending, self._pending = self._pending, None
-        if pending is not None and self._tap_counters().forwards == pending[2]:
+        if pending is not None and self._tap_counters().forwards == self._draft_forwards:
             raise RuntimeError(
                 "The drafter's target ran no forward since the last draft: generate() was called on a different "
                 "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
                 "generate with."
             )
-        proposed, block = (pending[0], pending[1]) if pending is not None else (0, None)
+        proposed, block = pending if pending is not None else (0, None)
         if pending is None:
             self._plain_since_draft += 1
         self.engine.verified([0], proposed, [int(num_matches)], [new])
