@@ -37,7 +37,7 @@ from transformers.utils import cached_file
 
 from .candidate_generator import DCOCOCandidateGenerator
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
-from .context_cache import DraftContextCache
+from .context_cache import DraftContextCache, StaticDraftContextCache
 from .corrector import select_candidates
 from .device import device_sync
 from .drafting import DraftProposal
@@ -97,7 +97,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         self._unhook: weakref.finalize | None = None
         self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
         self._schedule: ProposalSchedule | None = None  # the cost-aware schedule's state, kept across calls
-        self._compiled_correction: Any = None  # `compile_drafting`: the compiled `_correct`, or None (eager)
+        self._compiled_draft: Any = None  # `compile_drafting`: the compiled `_draft`, or None (eager)
 
     # ------------------------------------------------------------------ construction and attachment
 
@@ -264,7 +264,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(_tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _schedule=None,
-                     _compiled_correction=None)
+                     _compiled_draft=None)
         return state
 
     @property
@@ -280,7 +280,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         anchor_ids: torch.LongTensor,
         context_hidden_states: torch.Tensor,
         position_ids: torch.LongTensor,
-        cache: DraftContextCache,
+        cache: DraftContextCache | StaticDraftContextCache,
         attention_mask: torch.Tensor | None = None,
         selection: str | None = None,
         correct: bool = True,
@@ -295,7 +295,8 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             anchor_ids: [B] last committed token of each row.
             context_hidden_states: [B, N, n_layers * H] target states of the rows committed since the last draft.
             position_ids: [B, N + block_size] positions of those rows, then of the block.
-            cache: the drafter context cache; it keeps the new context rows and drops the block afterwards.
+            cache: the drafter context cache (`draft_cache`); it keeps the new context rows and drops the block
+                afterwards. A static one (captured drafting) drafts through the compiled graph.
             attention_mask: key mask [B, cached + N + block_size] or full mask [B, 1, block_size, cached + N +
                 block_size], or None when every key is visible (a key mask is read for that, a sync on a GPU).
             selection: "prefix_first" | "viterbi" | "geometric"; default the generation config's (`decoding`).
@@ -307,58 +308,80 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             block_size: the block to draft (anchor + slots), at most `config.block_size`; default
                 `draft_block_size`. The cost-aware schedule drafts a block per cycle.
         """
-        cfg = self.config
         block_size = block_size or self.draft_block_size
         sync = device_sync(anchor_ids.device, timed)
         start = time.perf_counter()
-        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), cfg.mask_token_id)
+        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), self.config.mask_token_id)
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
         kept = cache.get_seq_length() + context_hidden_states.shape[1]
-        out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
-        cache.truncate(kept)
-        block_hidden = out.last_hidden_state  # [B, block, H]
-        logits, column_tokens = self.proposal_logits(block_hidden[:, 1:])  # [B, S, V'] over the draft vocabulary
-        candidates, candidate_logits, log_probs = self.slot_candidates(logits, column_tokens)  # [B, S, K]
-        sync()
-        backbone_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        scores = first_scores = None
+        corrected = correct and (block_size > 2 or self.scores_first_slot)
         decoding = self.decoding
-        if correct and (block_size > 2 or self.scores_first_slot):
-            # The anchor row is read here, eagerly: it depends on how many context rows are new (not a fixed shape).
-            anchor = self.anchor_rows(out.context_states, position_ids) if self.corrector.reads_anchor_state else None
-            correction = self._compiled_correction or self._correct
-            chosen, first_scores, scores = correction(
-                block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor, context_ids, context_valid,
-                selection or decoding.selection, decoding.geometric_lambda,
-            )  # [B, S], [B, K] or None, [B, S - 1, K, K]
+        selection = selection or decoding.selection
+        inputs = (block_ids, context_hidden_states, position_ids, attention_mask, cache, context_ids, context_valid)
+        captured = False
+        if isinstance(cache, StaticDraftContextCache):
+            inputs, captured = self._static_layout(*inputs)
+            captured = captured and self._compiled_draft is not None
+        if captured:  # one graph: backbone, candidates and correction, timed whole (as the backbone's time)
+            candidates, candidate_logits, chosen, first_scores, scores = self._compiled_draft(
+                *inputs, selection, decoding.geometric_lambda, corrected
+            )
+            sync()
+            backbone_seconds, corrector_seconds = time.perf_counter() - start, 0.0
         else:
+            draft = self._draft_block(*inputs[:5])
+            candidates, candidate_logits = draft[2], draft[3]
+            sync()
+            backbone_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            chosen = first_scores = scores = None
+            if corrected:
+                chosen, first_scores, scores = self._correct(
+                    *draft, inputs[2], block_ids[:, 0], *inputs[5:], selection, decoding.geometric_lambda
+                )  # [B, S], [B, K] or None, [B, S - 1, K, K]
+            sync()
+            corrector_seconds = time.perf_counter() - start if corrected else 0.0
+        cache.truncate(kept)
+        if chosen is None:
             chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
         tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
-        sync()
-        corrector_seconds = time.perf_counter() - start if scores is not None or first_scores is not None else 0.0
         return DraftProposal(
             tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds, corrector_seconds
         )
 
+    def _draft_block(
+        self,
+        block_ids: torch.LongTensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        cache: DraftContextCache | StaticDraftContextCache,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.LongTensor, torch.Tensor, torch.Tensor | None]:
+        """The backbone phase of `propose`: one forward over the block, then each slot's top-K candidates ->
+        (block_hidden [B, block, H], context_states [B, N, H], candidates [B, S, K], their logits [B, S, K], their
+        log-probabilities [B, S, K] or None)."""
+        out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
+        block_hidden = out.last_hidden_state  # [B, block, H]
+        logits, column_tokens = self.proposal_logits(block_hidden[:, 1:])  # [B, S, V'] over the draft vocabulary
+        return block_hidden, out.context_states, *self.slot_candidates(logits, column_tokens)
+
     def _correct(
         self,
         block_hidden: torch.Tensor,
-        anchor_ids: torch.LongTensor,
+        context_states: torch.Tensor,
         candidates: torch.LongTensor,
         candidate_logits: torch.Tensor,
         log_probs: torch.Tensor | None,
-        anchor: tuple[torch.Tensor, torch.BoolTensor] | None,
+        position_ids: torch.LongTensor,
+        anchor_ids: torch.LongTensor,
         context_ids: torch.LongTensor | None,
         context_valid: torch.BoolTensor | None,
         selection: str,
         geometric_lambda: float,
     ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
         """The corrector phase of `propose`: the candidates' transition scores and the walk through them ->
-        (chosen [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K]). Every input has a
-        shape fixed by (batch, block, top-K) and, with `context_bigrams`, the context width, so `compile_drafting`
-        captures it whole."""
+        (chosen [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K])."""
+        anchor = self.anchor_rows(context_states, position_ids) if self.corrector.reads_anchor_state else None
         first_scores, scores = self.score_candidates(
             block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=anchor, context_ids=context_ids,
             context_valid=context_valid,
@@ -367,43 +390,110 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         first = first_scores if first_scores is not None else candidate_logits[:, 0]
         return select_candidates(selection, scores.float(), first.float(), geometric_lambda), first_scores, scores
 
-    def compile_drafting(self, enabled: bool = True, **compile_options: Any) -> "DCOCODrafter":
-        """Run the corrector phase of every draft (the transition scores of all K x K candidate pairs of each slot
-        pair, then the walk: many small kernels) as one compiled graph per input shape, or eagerly again with
-        `enabled=False`. Returns self.
+    def _draft(
+        self,
+        block_ids: torch.LongTensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        cache: StaticDraftContextCache,
+        context_ids: torch.LongTensor | None,
+        context_valid: torch.BoolTensor | None,
+        selection: str,
+        geometric_lambda: float,
+        corrected: bool,
+    ) -> tuple[torch.LongTensor, torch.Tensor, torch.LongTensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """A whole draft, what `compile_drafting` captures: (candidates, candidate logits, chosen, first-slot scores,
+        transition scores), the last three None without correction."""
+        draft = self._draft_block(block_ids, context_hidden_states, position_ids, attention_mask, cache)
+        if not corrected:
+            return draft[2], draft[3], None, None, None
+        correction = self._correct(
+            *draft, position_ids, block_ids[:, 0], context_ids, context_valid, selection, geometric_lambda
+        )
+        return draft[2], draft[3], *correction
 
-        `compile_options` go to `torch.compile`; the default is CUDA graphs on a GPU (`mode="reduce-overhead"`: one
-        recorded graph per (batch, block) shape, replayed in one launch) and inductor's default elsewhere. Set it
-        after `attach`, before generating; both engines (assisted and batched) use it. Lossless either way: the
-        target verifies every draft. The drafts are the eager ones wherever the compiled kernels round as the eager
-        ones do (`backend="aot_eager"` runs the same kernels, so they are identical; inductor may fuse and reorder
-        float sums, which can only swap candidates whose scores tie within rounding). The backbone stays eager: its
-        keys grow with the context every cycle. Tables the corrector derives from the weights are built here, for
-        the graph to read: after changing the weights (training, loading, `.to`), call it again.
+    def _static_layout(
+        self,
+        block_ids: torch.LongTensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        cache: StaticDraftContextCache,
+        context_ids: torch.LongTensor | None,
+        context_valid: torch.BoolTensor | None,
+    ) -> tuple[tuple, bool]:
+        """`propose`'s inputs laid out for a static cache: (inputs, whether they have the block's one captured shape).
+
+        A captured draft reads a fixed number of new context rows, `config.block_size` (the most one verify commits),
+        so fewer are padded (zero states at position -2, masked; the next draft overwrites them) and the context ids
+        span the whole buffer; more (a prompt, a run of plain steps) run eagerly on the same buffers.
+        """
+        (batch, block), new_rows = block_ids.shape, context_hidden_states.shape[1]
+        padded_rows = max(new_rows, self.config.block_size)
+        pad = padded_rows - new_rows
+        visible = _visible_keys(attention_mask, batch, block, cache.length + new_rows + block, block_ids.device)
+        mask = cache.place(batch, new_rows, padded_rows, block, visible, block_ids.device)  # [B, 1, block, capacity]
+        positions = position_ids.expand(batch, -1)
+        positions = torch.cat([positions[:, :new_rows], positions.new_full((batch, pad), -2), positions[:, new_rows:]], 1)
+        context = nn.functional.pad(context_hidden_states, (0, 0, 0, pad))  # [B, padded rows, n_layers * H]
+        if context_ids is not None:
+            width = max(cache.capacity, context_ids.shape[1])
+            valid = context_valid if context_valid is not None else torch.ones_like(context_ids, dtype=torch.bool)
+            context_ids = nn.functional.pad(context_ids, (0, width - context_ids.shape[1]))
+            context_valid = nn.functional.pad(valid, (0, width - valid.shape[1]))  # padding: no pair
+        inputs = (block_ids, context, positions, mask, cache, context_ids, context_valid)
+        return inputs, padded_rows == self.config.block_size
+
+    def compile_drafting(self, enabled: bool = True, **compile_options: Any) -> "DCOCODrafter":
+        """Capture every draft (the backbone forward over the block, each slot's top-K candidates, the transition
+        scores of all K x K candidate pairs of each slot pair and the walk) as one compiled graph per block shape,
+        or draft eagerly again with `enabled=False`. Returns self.
+
+        Both engines then keep the drafter's context in a `StaticDraftContextCache`: its buffers have one shape and
+        address for the whole call, each draft reads a fixed number of new context rows (`config.block_size`,
+        padded and masked), so a (batch, block) shape is one graph; a draft with more new rows (a prompt, a run of
+        plain steps) runs eagerly on the same buffers. `compile_options` go to `torch.compile`; the default is CUDA
+        graphs on a GPU (`mode="reduce-overhead"`: one recorded graph per shape, replayed in one launch) and
+        inductor's default elsewhere. Set it after `attach`, before generating.
+
+        Lossless either way: the target verifies every draft. The drafts equal eager drafting on the same static
+        cache wherever the compiled kernels round as the eager ones do (`backend="aot_eager"` runs the same kernels;
+        inductor may fuse and reorder float sums, which can only swap candidates whose scores tie within rounding).
+        A captured draft is timed whole (`DraftProposal.backbone_seconds`; the corrector's share is measured
+        eagerly). Tables the corrector derives from the weights are built here, for the graph to read: after
+        changing the weights (training, loading, `.to`), call it again.
         """
         if not enabled:
-            self._compiled_correction = None
+            self._compiled_draft = None
             return self
         options = {"mode": "reduce-overhead"} if self.device.type == "cuda" and not compile_options else compile_options
         self.corrector.prepare_capture(self.input_embedding())  # what the graph reads but cannot build
-        compiled = torch.compile(self._correct, **options)
+        compiled = torch.compile(self._draft, **options)
         cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
 
-        def correction(*args: Any) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
-            if cuda_graphs:  # a new step: the graph may reuse its output memory, so the outputs are copied out
-                torch.compiler.cudagraph_mark_step_begin()
-            chosen, first_scores, scores = compiled(*args)
+        def draft(*args: Any) -> tuple:
             if not cuda_graphs:
-                return chosen, first_scores, scores
-            return chosen.clone(), None if first_scores is None else first_scores.clone(), scores.clone()
+                return compiled(*args)
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph reuses its output memory
+            return tuple(None if x is None else x.clone() for x in compiled(*args))
 
-        self._compiled_correction = correction
+        self._compiled_draft = draft
         return self
+
+    def draft_cache(self, capacity: int) -> DraftContextCache | StaticDraftContextCache:
+        """A context cache for one call: static (`capacity` columns to start with) when drafting is captured, else
+        growing."""
+        if self._compiled_draft is None:
+            return DraftContextCache()
+        cfg = self.config
+        return StaticDraftContextCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                                       self.fc.weight.dtype, cfg.block_size)
 
     @property
     def drafting_compiled(self) -> bool:
         """Whether `compile_drafting` is on."""
-        return self._compiled_correction is not None
+        return self._compiled_draft is not None
 
     # ------------------------------------------------------------------ transformers assisted generation
 
@@ -753,6 +843,19 @@ def _copy_matching(source: nn.Module, destination: nn.Module) -> None:
     for name, param in destination.named_parameters():
         if name in theirs and theirs[name].shape == param.shape:
             param.copy_(theirs[name])
+
+
+def _visible_keys(
+    mask: torch.Tensor | None, batch: int, block: int, keys: int, device: torch.device
+) -> torch.BoolTensor:
+    """`propose`'s attention mask (None, a key mask [B, keys], or a full mask [B, 1, block, keys]: 1 / True or an
+    additive 0 where visible) -> which keys each block row sees, [B, block, keys]."""
+    if mask is None:
+        return torch.ones(batch, block, keys, dtype=torch.bool, device=device)
+    if mask.is_floating_point():
+        mask = mask > torch.finfo(mask.dtype).min / 2  # additive: 0 visible, a large negative (or -inf) masked
+    mask = mask.bool()
+    return mask[:, None, :].expand(-1, block, -1) if mask.dim() == 2 else mask[:, 0]
 
 
 def spread_layer_ids(depth: int, count: int) -> list[int]:

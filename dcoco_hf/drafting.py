@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .configuration_dcoco import DCOCOConfig, DecodingChoices
-from .context_cache import DraftContextCache
+from .context_cache import DraftContextCache, StaticDraftContextCache
 from .proposal import ProposalSchedule
 from .tap import TargetTap
 
@@ -31,7 +31,8 @@ class DraftProposal:
     chosen: [B, S] index of the proposed token inside each slot's candidates.
     transition_scores: [B, S - 1, K, K] or None when the corrector was skipped.
     first_slot_scores: [B, K] anchor -> slot 1 scores (`correct_first_slot`), else None.
-    backbone_seconds / corrector_seconds: wall time of the backbone (+ lm_head, top-K) and of scoring + walk.
+    backbone_seconds / corrector_seconds: wall time of the backbone (+ lm_head, top-K) and of scoring + walk; a
+        captured draft (`compile_drafting`) is one graph, timed whole as backbone_seconds (corrector_seconds 0).
     """
 
     tokens: torch.Tensor
@@ -76,8 +77,10 @@ class AttachedDrafter(Protocol):
 
     def propose(
         self, anchor_ids: torch.LongTensor, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor,
-        cache: DraftContextCache, attention_mask: torch.Tensor | None = None, **options: Any,
+        cache: DraftContextCache | StaticDraftContextCache, attention_mask: torch.Tensor | None = None, **options: Any,
     ) -> DraftProposal: ...
+
+    def draft_cache(self, capacity: int) -> DraftContextCache | StaticDraftContextCache: ...
 
     def attach(self, target: PreTrainedModel, tune: bool = True, **tune_options: Any) -> AttachedDrafter: ...
 

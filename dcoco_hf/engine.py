@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .context_cache import DraftContextCache
 from .proposal import (
     COST_SCHEDULE,
     DraftPlan,
@@ -61,6 +60,8 @@ class SpeculationEngine:
         rows: sequences in the call (1 on transformers' assisted path).
         correct: False proposes plain DFlash argmax blocks (same weights, corrector off).
         selection: walk override ("prefix_first" | "viterbi" | "geometric"); default the drafter's (`decoding`).
+        context_length: the longest context the call is expected to reach, which a static context cache (captured
+            drafting) allocates for at once; it grows beyond it when needed.
 
     Under the cost-aware schedule (the default) each cycle drafts the block of most expected tokens per second and
     proposes the k of most expected tokens per second summed over the rows (one verify forward of k + 1 columns);
@@ -69,11 +70,12 @@ class SpeculationEngine:
     """
 
     def __init__(
-        self, drafter: AttachedDrafter, rows: int, correct: bool = True, selection: str | None = None
+        self, drafter: AttachedDrafter, rows: int, correct: bool = True, selection: str | None = None,
+        context_length: int = 256,
     ) -> None:
         self.drafter, self.correct, self.selection = drafter, correct, selection
         config, generation = drafter.config, drafter.generation_config
-        self.cache = DraftContextCache()
+        self.cache = drafter.draft_cache(context_length)
         self.stats = [DCOCOStats(drafter.draft_block_size, config.top_k) for _ in range(rows)]  # grow as drafted
         self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
         self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None

@@ -231,7 +231,9 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     eos = config._eos_token_tensor  # None or [n_eos]
     pad = config._pad_token_tensor if config._pad_token_tensor is not None else torch.tensor(0, device=device)
     picker = _TokenPicker(logits_processor, config.do_sample)
-    engine = SpeculationEngine(drafter, batch, correct=correct, selection=selection)
+    # The drafter's context holds the target's columns less the newest, then a captured draft's padded rows.
+    context_length = static_capacity(prompt_len + max_new + slots, slots + 1) + drafter.config.block_size
+    engine = SpeculationEngine(drafter, batch, correct=correct, selection=selection, context_length=context_length)
     stats = engine.stats
     cap = min(int(drafter.generation_config.num_assistant_tokens or slots), slots)  # drafts proposed per cycle
 
@@ -329,7 +331,8 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
             ctx, ctx_mask, ctx_pos = fresh
         anchor = chosen.gather(1, accepted[:, None]).squeeze(1)  # [b] the bonus token
         # Mostly holes, or a static cache without room for the next block: pack every row's keys right.
-        if 1 - sum(anchor_committed) / mask.numel() > COMPACT_WASTE or not masks.has_room(mask.shape[1]):
+        room = masks.has_room(mask.shape[1]) and dcache.has_room(mask.shape[1])
+        if 1 - sum(anchor_committed) / mask.numel() > COMPACT_WASTE or not room:
             # The drafter cache holds the context up to the old anchors (the new rows are cached next cycle).
             mask, dmask = _compact(cache, mask, max(anchor_committed), dcache, dmask, max(committed))
         committed = anchor_committed
@@ -353,8 +356,8 @@ def _compact(
     for layer in cache.layers:
         layer.keys, layer.values = _take_columns(layer.keys, index), _take_columns(layer.values, index)
     index, dmask = _pack_index(dmask, dwidth)
-    dcache.keys = [_take_columns(k, index) for k in dcache.keys]
-    dcache.values = [_take_columns(v, index) for v in dcache.values]
+    # Both read before either is assigned: a static context cache's length follows what was assigned.
+    dcache.keys, dcache.values = [_take_columns(k, index) for k in dcache.keys], [_take_columns(v, index) for v in dcache.values]
     return mask, dmask
 
 

@@ -5,9 +5,10 @@
 
 1. The batched loop (`speculative_generate`, greedy) on a dynamic and on a static target cache: median seconds of a
    whole call, the two kinds interleaved, and whether their outputs are identical.
-2. Compiled drafting (`drafter.compile_drafting`): the first draft after capture (compiling, and on a GPU recording
-   the graph, included) and the median corrector phase of a draft (`propose(timed=True).corrector_seconds`), eager
-   and captured with each backend, at each batch size.
+2. Compiled drafting (`drafter.compile_drafting`: backbone, candidates and correction in one graph per block shape,
+   over the static context cache): the first draft after capture (compiling, and on a GPU recording the graph,
+   included) and the median seconds of a whole draft (`propose(timed=True)`), eager and captured with each backend,
+   at each batch size; eagerly also the corrector phase's share of it.
 
 Random weights accept almost no draft: these are costs of the machinery, not speedups.
 """
@@ -28,7 +29,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package of this checkout
 from dcoco_hf import DCOCODrafter, speculative_generate  # noqa: E402
-from dcoco_hf.context_cache import DraftContextCache  # noqa: E402
 
 TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, eos_token_id=None,
@@ -63,23 +63,25 @@ def cache_kinds(target, drafter, device: torch.device, batch: int, new_tokens: i
             **{f"{kind}_s": statistics.median(times[1:]) for kind, times in seconds.items()}}
 
 
-def draft_phases(drafter, batch: int, context: int, reps: int) -> tuple[float, float]:
-    """(seconds of the first draft, median corrector seconds of the next `reps`) with `context` rows cached."""
+def draft_times(drafter, batch: int, context: int, reps: int) -> tuple[float, float, float]:
+    """(seconds of the first draft, median seconds of the next `reps` drafts, median corrector seconds of those) with
+    `context` rows cached; the corrector's time is 0 when the draft is captured (one graph, timed whole)."""
     cfg, device = drafter.config, drafter.device
     states = torch.randn(batch, context + 2, len(cfg.target_layer_ids) * cfg.hidden_size, device=device)
     ids = torch.randint(1, cfg.vocab_size, (batch, context + 2), device=device)
-    cache = DraftContextCache()
+    cache = drafter.draft_cache(context + 4 * cfg.block_size)
     with torch.no_grad():
         start = time.perf_counter()  # the first draft: it fills the cache with the context, and compiles
         drafter.propose(ids[:, context - 1], states[:, :context],
                         torch.arange(context + cfg.block_size, device=device).expand(batch, -1), cache, timed=True)
         first = time.perf_counter() - start
         positions = torch.arange(context, context + 2 + cfg.block_size, device=device).expand(batch, -1)
-        phases = []
-        for _ in range(reps + 1):  # one more warm-up draft, then the timed ones
-            phases.append(drafter.propose(ids[:, -1], states[:, context:], positions, cache, timed=True))
+        drafts = []
+        for _ in range(reps + 1):  # one more warm-up draft (the first captured one), then the timed ones
+            drafts.append(drafter.propose(ids[:, -1], states[:, context:], positions, cache, timed=True))
             cache.truncate(context)
-    return first, statistics.median(p.corrector_seconds for p in phases[1:])
+    return (first, statistics.median(d.backbone_seconds + d.corrector_seconds for d in drafts[1:]),
+            statistics.median(d.corrector_seconds for d in drafts[1:]))
 
 
 def capture(drafter, device: torch.device, backends: list[str], batches: list[int], reps: int) -> list[dict]:
@@ -92,8 +94,9 @@ def capture(drafter, device: torch.device, backends: list[str], batches: list[in
             drafter.compile_drafting(**({} if device.type == "cuda" and backend == "inductor" else
                                         {"backend": backend}))
         for batch in batches:
-            first, corrector = draft_phases(drafter, batch, 128, reps)
-            rows.append({"drafting": backend, "batch": batch, "first_draft_s": first, "corrector_s": corrector})
+            first, draft, corrector = draft_times(drafter, batch, 128, reps)
+            rows.append({"drafting": backend, "batch": batch, "first_draft_s": first, "draft_s": draft,
+                         **({"corrector_s": corrector} if backend == "eager" else {})})
     drafter.compile_drafting(enabled=False)
     return rows
 

@@ -15,8 +15,8 @@ records why, and the others still run):
               forwards, the draft and the corrector, combined with the tau the card measured on CPU with the real
               target into a PROJECTED tokens/s ratio per block size.
   costs       a Qwen3-8B-shaped target and a DFlash-sized drafter (random weights, bf16): plain step, verify forwards
-              of 2..16 rows, the draft and each corrector at batch 1..32, with the corrector phase eager and captured
-              (`compile_drafting`: CUDA graphs).
+              of 2..16 rows, the draft and each corrector at batch 1..32, eager and with each draft captured
+              (`compile_drafting`: backbone and corrector in one CUDA graph per block shape).
   projection  those costs with the papers' published tau for Qwen3-8B: PROJECTED speedups, not measurements.
 
 Random weights accept almost nothing, so no speedup here is measured end to end: costs are, speedups are projected.
@@ -54,7 +54,6 @@ sys.path.insert(0, str(ROOT))  # the package of this checkout, also where it is 
 from dcoco_hf import DCOCODrafter, speculative_generate  # noqa: E402
 from dcoco_hf.assets import left_pad  # noqa: E402
 from dcoco_hf.block_choice import set_block_size  # noqa: E402
-from dcoco_hf.context_cache import DraftContextCache  # noqa: E402
 from dcoco_hf.device import device_sync  # noqa: E402
 from dcoco_hf.hf_compat import ASSISTED_STATIC_CACHE, assisted_static_cache  # noqa: E402
 from dcoco_hf.training import fit_on_own_answers  # noqa: E402
@@ -482,26 +481,38 @@ def step_and_verify_seconds(target, batch: int, context: int, rows: list[int], r
 
 def draft_seconds(drafter: DCOCODrafter, batch: int, context: int, reps: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of one draft (backbone + top-K) and of the corrector (scores + walk) for `batch` rows, with
-    `context` committed positions cached and 2 new context rows per cycle, from propose()'s own phase timing
-    (after `warmup` untimed drafts: a compiled drafter compiles and records its graphs there)."""
+    `context` committed positions cached and 2 new context rows per cycle (after `warmup` untimed drafts: a compiled
+    drafter compiles and records its graphs there). Eagerly from propose()'s own phase timing; captured
+    (`compile_drafting`, one graph per draft) as the corrected draft's time less the uncorrected one's (its own
+    graph), since a graph has no phases to time."""
     cfg, device = drafter.config, drafter.device
     width = len(cfg.target_layer_ids) * cfg.hidden_size
     states = torch.randn(batch, context + 2, width, device=device, dtype=drafter.dtype)  # [B, N, layers * H]
     ids = torch.randint(1, cfg.vocab_size, (batch, context + 2), device=device)  # [B, N] committed tokens
-    cache = DraftContextCache()
+    block = drafter.draft_block_size  # the block set_block_size chose
+    cache = drafter.draft_cache(context + 4 * cfg.block_size)
+
+    def timed(correct: bool) -> list[tuple[float, float]]:
+        phases = []
+        for _ in range(warmup + reps):
+            out = drafter.propose(ids[:, -1], states[:, context:], positions, cache, context_ids=ids, timed=True,
+                                  correct=correct)
+            cache.truncate(context)
+            phases.append((out.backbone_seconds, out.corrector_seconds))
+        return phases[warmup:]
+
     with torch.no_grad():
-        block = drafter.draft_block_size  # the block set_block_size chose
         positions = torch.arange(context + block, device=device).expand(batch, -1)
         # Fills the cache with the context rows; context_ids feed a corrector that reads the committed text.
         drafter.propose(ids[:, context - 1], states[:, :context], positions, cache, context_ids=ids[:, :context])
         positions = torch.arange(context, context + 2 + block, device=device).expand(batch, -1)
-        phases = []
-        for _ in range(warmup + reps):
-            out = drafter.propose(ids[:, -1], states[:, context:], positions, cache, context_ids=ids, timed=True)
-            cache.truncate(context)
-            phases.append((out.backbone_seconds, out.corrector_seconds))
-    return {"draft": statistics.median(p[0] for p in phases[warmup:]),
-            "corrector": statistics.median(p[1] for p in phases[warmup:])}
+        corrected = timed(correct=True)
+        if not drafter.drafting_compiled:
+            return {"draft": statistics.median(p[0] for p in corrected),
+                    "corrector": statistics.median(p[1] for p in corrected)}
+        whole = statistics.median(p[0] for p in corrected)
+        bare = statistics.median(p[0] for p in timed(correct=False))
+    return {"draft": bare, "corrector": whole - bare}
 
 
 # ---------------------------------------------------------------------------------------------------- (b) shipped
@@ -542,7 +553,7 @@ def shipped(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
 
 
 def capture(drafter: DCOCODrafter, device: torch.device) -> str:
-    """Capture the drafter's corrector phase (`compile_drafting`, `capture_options`). Returns how."""
+    """Capture the drafter's drafts (`compile_drafting`, `capture_options`). Returns how."""
     options = capture_options(device)
     drafter.compile_drafting(**options)
     return f"compile_drafting({', '.join(f'{k}={v!r}' for k, v in options.items())})"

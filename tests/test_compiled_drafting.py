@@ -1,5 +1,6 @@
-"""`drafter.compile_drafting()` captures the corrector phase of every draft (transition scores + walk) in a compiled
-graph, and drafts exactly what eager drafting drafts.
+"""`drafter.compile_drafting()` captures every draft (backbone forward over the block, top-K candidates, transition
+scores, walk) in one compiled graph per block shape, over a static context cache, and drafts exactly what eager
+drafting drafts on that cache; the static cache itself drafts what the growing one does.
 
 On CPU the capture runs with `backend="aot_eager"`: dynamo and AOT autograd trace the graph (graph breaks, guards,
 what the capture sees of the corrector's state), and the traced graph runs the eager kernels, so proposals must be
@@ -22,7 +23,7 @@ from test_lilicorr import lilicorr_copy, randomise
 from torch._dynamo import lookup_backend
 
 from dcoco_hf import CorpusBigrams, speculative_generate
-from dcoco_hf.context_cache import DraftContextCache
+from dcoco_hf.context_cache import DraftContextCache, StaticDraftContextCache
 
 CPU_CAPTURE = dict(backend="aot_eager")  # the traced graph on the eager kernels: no C++ build on CPU
 
@@ -36,16 +37,17 @@ def corrector_variants(target, drafter) -> dict:
     return {"dcoco": scrambled(drafter, seed=2), "dcoco-bigrams-corpus-first": full, "lilicorr": lilicorr}
 
 
-def propose_twice(drafter, batch: int, block: int, selection: str, seed: int = 0):
-    """Two consecutive proposals for `batch` rows (context rows added, block dropped, as the engines do), with
-    the committed tokens as context ids: the DraftProposals."""
+def propose_cycles(drafter, batch: int, block: int, selection: str, cache=None, seed: int = 0):
+    """Consecutive proposals for `batch` rows (context rows added, block dropped, as the engines do), with the
+    committed tokens as context ids, on `cache` (default the drafter's own, `draft_cache`): the DraftProposals.
+    The first reads more new rows than a block commits (a prompt: eager), the others fewer (captured)."""
     cfg = drafter.config
     generator = torch.Generator().manual_seed(seed)
     width = len(cfg.target_layer_ids) * cfg.hidden_size
-    states = torch.randn(batch, 12, width, generator=generator)  # [B, N, layers * H]
-    ids = torch.randint(1, VOCAB, (batch, 12), generator=generator)  # [B, N] committed tokens
-    cache, proposals = DraftContextCache(), []
-    for start, end in ((0, 9), (9, 12)):
+    states = torch.randn(batch, 16, width, generator=generator)  # [B, N, layers * H]
+    ids = torch.randint(1, VOCAB, (batch, 16), generator=generator)  # [B, N] committed tokens
+    cache, proposals = cache if cache is not None else drafter.draft_cache(capacity=24), []
+    for start, end in ((0, 9), (9, 12), (12, 16)):
         positions = torch.arange(start, end + block).expand(batch, -1)  # [B, new rows + block]
         proposals.append(drafter.propose(
             ids[:, end - 1], states[:, start:end], positions, cache, selection=selection, context_ids=ids[:, :end],
@@ -54,7 +56,23 @@ def propose_twice(drafter, batch: int, block: int, selection: str, seed: int = 0
     return proposals
 
 
-def test_compiled_corrector_drafts_what_eager_drafts(fitted):
+def static_cache(drafter, capacity: int = 40) -> StaticDraftContextCache:
+    cfg = drafter.config
+    return StaticDraftContextCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, drafter.dtype,
+                                   cfg.block_size)
+
+
+def assert_same_drafts(expected, got, where) -> None:
+    for one, other in zip(expected, got, strict=True):
+        assert torch.equal(one.candidates, other.candidates), where
+        assert torch.equal(one.tokens, other.tokens), where
+        assert torch.equal(one.chosen, other.chosen), where
+        for name in ("transition_scores", "first_slot_scores"):
+            mine, theirs = getattr(one, name), getattr(other, name)
+            assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), (where, name)
+
+
+def test_captured_drafts_are_eager_drafts_on_the_static_cache(fitted):
     target, fitted_drafter = fitted
     for name, drafter in corrector_variants(target, fitted_drafter).items():
         graphs = []
@@ -68,21 +86,34 @@ def test_compiled_corrector_drafts_what_eager_drafts(fitted):
         torch._dynamo.reset()
         compiled = copy.deepcopy(drafter).attach(target, tune=False).compile_drafting(backend=recording)
         assert compiled.drafting_compiled and not drafter.drafting_compiled
-        propose_twice(compiled, 2, 8, "prefix_first")
-        # One graph per shape, no graph break; the context width is part of the shape when context bigrams are read.
-        assert len(graphs) == (2 if drafter.config.context_bigrams else 1), (name, len(graphs))
+        assert isinstance(compiled.draft_cache(40), StaticDraftContextCache)
+        assert isinstance(drafter.draft_cache(40), DraftContextCache)
+        propose_cycles(compiled, 2, 8, "prefix_first", cache=static_cache(compiled))
+        # One graph for the shape, no graph break: the prompt-sized draft ran eagerly, the two others replayed it,
+        # whatever the context's length (context ids span the buffer, new rows are padded to a block).
+        assert len(graphs) == 1, (name, len(graphs))
         for batch, block, selection in ((1, 8, "prefix_first"), (3, 8, "viterbi"), (3, 4, "prefix_first")):
-            for eager, captured in zip(propose_twice(drafter, batch, block, selection),
-                                       propose_twice(compiled, batch, block, selection)):
-                where = (name, batch, block, selection)
-                assert torch.equal(eager.tokens, captured.tokens), where
-                assert torch.equal(eager.chosen, captured.chosen), where
-                assert torch.equal(eager.transition_scores, captured.transition_scores), where
-                if eager.first_slot_scores is None:
-                    assert captured.first_slot_scores is None, where
-                else:
-                    assert torch.equal(eager.first_slot_scores, captured.first_slot_scores), where
+            eager = propose_cycles(drafter, batch, block, selection, cache=static_cache(drafter))
+            captured = propose_cycles(compiled, batch, block, selection, cache=static_cache(compiled))
+            assert_same_drafts(eager, captured, (name, batch, block, selection))
         assert not compiled.compile_drafting(enabled=False).drafting_compiled
+
+
+def test_static_context_cache_drafts_what_the_growing_cache_drafts(fitted):
+    """Padding rows, masked buffer columns and a reallocation (capacity 20 is outgrown on the second draft) change
+    nothing a draft picks."""
+    target, fitted_drafter = fitted
+    for name, drafter in corrector_variants(target, fitted_drafter).items():
+        for batch, block in ((1, 8), (3, 4)):
+            growing = propose_cycles(drafter, batch, block, "prefix_first", cache=DraftContextCache())
+            cache = static_cache(drafter, capacity=20)
+            static = propose_cycles(drafter, batch, block, "prefix_first", cache=cache)
+            assert cache.capacity >= 40 and cache.length == 16
+            for one, other in zip(growing, static, strict=True):
+                assert torch.equal(one.candidates, other.candidates), (name, batch, block)
+                assert torch.equal(one.tokens, other.tokens), (name, batch, block)
+                # Attention sums over more (masked) keys: the scores agree to float rounding.
+                torch.testing.assert_close(one.transition_scores, other.transition_scores, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -96,6 +127,32 @@ def test_batched_loop_with_compiled_drafting_equals_plain_generate(fitted, cache
     eager = speculative_generate(target, ids, drafter=drafter.compile_drafting(enabled=False), **common)
     assert got.sequences.tolist() == expected.tolist()
     assert [s.accepted for s in got.stats] == [s.accepted for s in eager.stats]  # the same drafts, cycle by cycle
+
+
+@pytest.mark.parametrize("loop", ["batched", "assisted"])
+def test_a_call_replays_one_graph_per_block_shape(fitted, loop):
+    """A whole call at one block and batch (constant schedule, one row): one graph, every draft after the prompt's
+    replaying it; outputs are plain generate()'s. (Rows leaving a batch make a graph per batch size.)"""
+    target, fitted_drafter = fitted
+    graphs = []
+
+    def recording(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    drafter = scrambled(fitted_drafter, seed=8).compile_drafting(backend=recording)
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(8))
+    common = dict(max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    if loop == "batched":
+        got = speculative_generate(target, ids, drafter=drafter, **common)
+        cycles, got = got.stats[0].cycles, got.sequences
+    else:
+        got = target.generate(ids, assistant_model=drafter, **common)
+        cycles = drafter.generation_stats().cycles
+    assert got.tolist() == target.generate(ids, **common).tolist()
+    assert cycles > 3 and len(graphs) == 1, (cycles, len(graphs))
 
 
 def test_assisted_generation_with_compiled_drafting_equals_plain_generate(fitted):
