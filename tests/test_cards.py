@@ -8,6 +8,7 @@ cut to a few tokens."""
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -106,3 +107,15 @@ def test_custom_generate_snippet_runs(monkeypatch):
     namespace = run_snippet(snippet, ROOT, monkeypatch)
     stats = namespace["drafter"].generation_stats(namespace["out"])
     assert [row.committed_tokens for row in stats] == [8, 8]
+
+
+def test_the_tracked_files_fit_a_64_mib_copy():
+    """Every tracked file together stays under 60 MiB, so a checkout travels whole to a machine that takes 64 MiB."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"not a git checkout ({error})")
+    paths = [root / name for name in listed.decode().split("\0") if name]
+    total = sum(path.stat().st_size for path in paths if path.is_file())
+    assert total <= 60 * 2**20, f"tracked files hold {total:,} bytes, over 60 MiB"
