@@ -1,10 +1,13 @@
-"""A DCOCO corrector that any serving engine can run over its drafted blocks, with `DCOCODrafter`'s own code.
+"""A corrector that any serving engine can run over its drafted blocks, with `DCOCODrafter`'s own code.
 
 An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/vllm_model.py`) has each block's drafter hidden states,
 its anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads
 besides those (its weights, the corpus pair counts, the draft vocabulary) and binds the drafter's methods that take a
 block's candidates and score them, so the engine's pick is the one `DCOCODrafter.propose` would make from the same
-block, not a re-implementation of it. No engine is imported here, so the equivalence is tested without one.
+block, not a re-implementation of it. It serves the correctors that read nothing else: DCOCO and the DFlash2
+candidate selector. LiLiCorr also reads the anchor's fused context row (`Corrector.reads_anchor_state`), which an
+engine's draft forward keeps in its KV cache only, so it is refused. No engine is imported here, so the equivalence
+is tested without one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 
 from .configuration_dcoco import DCOCOConfig
-from .corrector import CorpusBigrams, DCOCOCorrector, select_candidates
+from .corrector import CorpusBigrams, select_candidates
 from .correctors import corrector_class
 from .modeling_dcoco import DCOCODraftModel
 
@@ -30,17 +33,16 @@ class DCOCOBlockCorrector(nn.Module):
     candidate_bigrams = DCOCODraftModel.candidate_bigrams
     candidate_corpus_inputs = DCOCODraftModel.candidate_corpus_inputs
     scores_first_slot = DCOCODraftModel.scores_first_slot
+    draft_columns = DCOCODraftModel.draft_columns  # the selector's codebooks are indexed by draft-vocabulary column
 
     def __init__(self, config: DCOCOConfig, embed: Callable[[torch.Tensor], torch.Tensor],
                  selection: str = "prefix_first", geometric_lambda: float = 0.75) -> None:
         super().__init__()
-        if corrector_class(config.corrector_type) is not DCOCOCorrector:
-            raise ValueError(f"The vLLM export serves DCOCO correctors; this one is {config.corrector_type!r}. Export "
-                             "its backbone with `dcoco-hf export --format dflash` instead.")
+        check_servable(config)
         self.config = config
         self.selection, self.geometric_lambda = selection, geometric_lambda
         self.__dict__["_embed"] = embed  # the target's, borrowed: not a submodule, so never in this state dict
-        self.corrector = DCOCOCorrector.from_config(config)
+        self.corrector = corrector_class(config.corrector_type).from_config(config)
         self.corpus_bigrams = CorpusBigrams(config.vocab_size, config.corpus_bigrams) if config.corpus_bigrams else None
         size = config.draft_vocab_size
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
@@ -64,7 +66,7 @@ class DCOCOBlockCorrector(nn.Module):
         if column_tokens is not None:  # propose among the draft vocabulary only, as the drafter does
             logits = logits[..., column_tokens]
         candidates, candidate_logits, log_probs = self.slot_candidates(logits.float(), column_tokens)  # [B, S, K]
-        if candidates.shape[1] < 2 and not self.config.correct_first_slot:
+        if candidates.shape[1] < 2 and not self.scores_first_slot:
             return candidates[..., 0]
         context_ids = anchor_ids[:, None] if context_ids is None else context_ids  # one token: no pair
         first, scores = self.score_candidates(block_hidden, anchor_ids, candidates, candidate_logits, log_probs,
@@ -72,6 +74,16 @@ class DCOCOBlockCorrector(nn.Module):
         first = first if first is not None else candidate_logits[:, 0]
         chosen = select_candidates(self.selection, scores.float(), first.float(), self.geometric_lambda)
         return candidates.gather(-1, chosen[..., None]).squeeze(-1)
+
+
+def check_servable(config: DCOCOConfig) -> None:
+    """Refuse a corrector that reads more than a drafted block (LiLiCorr's anchor state), naming the way out."""
+    if corrector_class(config.corrector_type).reads_anchor_state:
+        raise ValueError(
+            f"The {config.corrector_type!r} corrector reads the anchor's fused context row, which a serving engine's "
+            "draft forward does not hand its draft model, so the vllm format cannot carry it. Export the backbone "
+            "with `dcoco-hf export --format dflash` (plain DFlash), or serve a DCOCO or DFlash2-selector drafter."
+        )
 
 
 class _Embedding(nn.Module):
@@ -85,4 +97,4 @@ class _Embedding(nn.Module):
         return self.embed(token_ids)
 
 
-__all__ = ["DCOCOBlockCorrector"]
+__all__ = ["DCOCOBlockCorrector", "check_servable"]

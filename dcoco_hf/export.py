@@ -1,5 +1,6 @@
-"""Export a drafter for serving engines: its DFlash backbone in the public z-lab format (`dflash`), or the whole
-DCOCO drafter, corrector included, for vLLM with this package's plugin (`vllm`).
+"""Export a drafter for serving engines: its DFlash backbone in the public z-lab format (`dflash`), the whole drafter,
+corrector included, for vLLM with this package's plugin (`vllm`), or a DFlash2-selector drafter in the public
+DFlash2 format (`dflash2`).
 
 vLLM (`speculative_config={"method": "dflash", ...}`) and SGLang (`--speculative-algorithm DFLASH`) load drafters
 written as: config.json with `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, `block_size` and
@@ -25,10 +26,12 @@ formula). The format has no draft vocabulary (its candidate head reads the full 
 top-K over the whole vocabulary; where a token outside our draft vocabulary enters it, the served block can differ
 from ours (docs/selector.md).
 
-The `vllm` format is the `dflash` one (full vocabulary) plus the corrector: config.json names our architecture
-(`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.vllm_plugin` through the `vllm.general_plugins` entry
-point) and carries the corrector's settings and decoding choices under `dcoco_config`; model.safetensors adds the
-`corrector.*` tensors, the corpus pair counts and the draft vocabulary's token ids. vLLM serves it with
+The `vllm` format is the `dflash` one (full vocabulary) plus the corrector, DCOCO or the DFlash2 candidate selector
+(LiLiCorr also reads the anchor's context row, which vLLM's draft forward does not expose: `check_servable`):
+config.json names our architecture (`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.vllm_plugin` through
+the `vllm.general_plugins` entry point) and carries the corrector's settings and decoding choices under
+`dcoco_config`; model.safetensors adds the `corrector.*` tensors, the corpus pair counts and the draft vocabulary's
+token ids. A selector keeps its draft-vocabulary codebooks there, so vLLM picks exactly the tokens dcoco-hf picks. vLLM serves it with
 `speculative_config={"method": "dflash", "model": OUT, "num_speculative_tokens": K}` (docs/serving.md).
 
     dcoco-hf export --format dflash [DRAFTER] OUT [--block-size B] [--draft-vocab --target T]
@@ -48,10 +51,9 @@ import torch
 from safetensors.torch import save_file
 
 from .block_choice import check_block_size
+from .block_corrector import check_servable
 from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
 from .configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
-from .corrector import DCOCOCorrector
-from .correctors import corrector_class
 from .drafter import DCOCODrafter, check_compatible
 from .selector import PUBLIC_ARCHITECTURE as DFLASH2_ARCHITECTURE
 from .selector import SelectorCorrector
@@ -245,14 +247,12 @@ def export_vllm(
     source: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `drafter` whole (DFlash backbone and DCOCO corrector) for vLLM with the dcoco-hf plugin; returns the
-    folder. Arguments as `export_dflash`; the draft vocabulary travels as token ids (vLLM shares the target's full
+    """Write `drafter` whole (DFlash backbone and its DCOCO or selector corrector) for vLLM with the dcoco-hf plugin;
+    returns the folder. Arguments as `export_dflash`; the draft vocabulary travels as token ids (vLLM shares the target's full
     lm_head and the corrector keeps to those ids), so no target is needed."""
     out = Path(out_dir)
     check_export_folder(out, source, overwrite)
-    if corrector_class(drafter.config.corrector_type) is not DCOCOCorrector:
-        raise ValueError(f"The vllm format carries DCOCO correctors; this drafter's is {drafter.config.corrector_type!r}."
-                         " Export its backbone with --format dflash instead.")
+    check_servable(drafter.config)
     tensors = backbone_tensors(drafter, dtype)
     tensors.update(corrector_tensors(drafter, dtype))
     config = dflash_config(drafter, block_size, dtype)
@@ -378,6 +378,8 @@ def decoding_fields(drafter: DCOCODrafter) -> dict:
 def vllm_card(drafter: DCOCODrafter, config: dict, source: str | None) -> str:
     """README.md of the vllm export: what it holds and the one command that serves it."""
     cfg, block = drafter.config, config["block_size"]
+    corrector = (f"DFlash2 candidate selector (rank {cfg.selector_rank}, codebooks over the draft vocabulary)"
+                 if cfg.corrector_type == "dflash2" else "DCOCO corrector")
     return f"""---
 tags:
 - dflash
@@ -386,11 +388,11 @@ tags:
 - vllm
 ---
 
-# DCOCO drafter for vLLM (exported by dcoco-hf)
+# DFlash drafter with its corrector, for vLLM (exported by dcoco-hf)
 
 {f"Exported from `{source}`. " if source else ""}A DFlash drafter ({cfg.num_hidden_layers} Qwen3-style layers of width
 {cfg.hidden_size}, reading target layers {list(cfg.target_layer_ids)}, blocks of {block}, mask token
-{cfg.mask_token_id}) with its DCOCO corrector (top-{cfg.top_k} candidates per slot, walk
+{cfg.mask_token_id}) with its {corrector} (top-{cfg.top_k} candidates per slot, walk
 `{config["dcoco_config"]["decoding"]["selection"]}`). The architecture `{VLLM_ARCHITECTURE}` is registered in vLLM
 by the dcoco-hf plugin; stock vLLM without it refuses this folder (export `--format dflash` for plain DFlash).
 
@@ -416,7 +418,8 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
         "selector in the public DFlash2 format)",
         description="Writes the drafter as config.json, model.safetensors and README.md. --format dflash: its DFlash "
         "backbone in the public z-lab format; the DCOCO corrector is dropped (vLLM and SGLang serve plain DFlash). "
-        "--format vllm: backbone and corrector, served by vLLM's dflash method through this package's plugin "
+        "--format vllm: backbone and corrector (DCOCO or DFlash2 selector), served by vLLM's dflash method through "
+        "this package's plugin "
         "(pip install \"dcoco-hf[vllm]\"; docs/serving.md). --format dflash2: a drafter with a DFlash2 candidate "
         "selector (corrector_type dflash2) in the public DFlash2 format, served by vLLM's V2 model runner "
         "(docs/selector.md).",

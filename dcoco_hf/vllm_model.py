@@ -100,8 +100,8 @@ class DCOCODFlashForCausalLM(DFlashQwen3ForCausalLM):
             return None
         batch, block = slots
         rows = batch * block
-        logger.info_once("DCOCO corrector active: %d drafted slots per request, top-%d candidates, walk %s.",
-                         block - 1, self.dcoco.config.top_k, self.dcoco.selection)
+        logger.info_once("DCOCO corrector active (%s): %d drafted slots per request, top-%d candidates, walk %s.",
+                         self.dcoco.config.corrector_type, block - 1, self.dcoco.config.top_k, self.dcoco.selection)
         block_hidden = hidden[:rows].view(batch, block, -1)
         tokens = self.dcoco.walk(block_hidden, input_ids[:rows].view(batch, block)[:, 0],
                                  logits.view(batch, block - 1, -1))

