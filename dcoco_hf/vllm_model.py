@@ -104,7 +104,7 @@ class DCOCODFlashForCausalLM(DFlashQwen3ForCausalLM):
         batch, block = slots
         rows = batch * block
         # scripts/vllm_bench.py reads this line ("corrector active (TYPE)") as proof that the corrector ran.
-        logger.info_once("dcoco-hf corrector active (%s): %d drafted slots per request, top-%d candidates, walk %s.",
+        logger.info_once("corrector active (%s): %d drafted slots per request, top-%d candidates, walk %s.",
                          self.dcoco.config.corrector_type, block - 1, self.dcoco.config.top_k, self.dcoco.selection)
         block_hidden = hidden[:rows].view(batch, block, -1)
         tokens = self.dcoco.walk(block_hidden, input_ids[:rows].view(batch, block)[:, 0],
