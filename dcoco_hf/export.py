@@ -69,6 +69,8 @@ DROPPED_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
 DCOCO_ONLY_FIELDS = ("top_k", "corrector_rank", "corrector_hidden", "correct_first_slot", "context_bigrams",
                      "corpus_bigrams")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What the vllm export's card and the CLI call the corrector it carries (check_servable admits these).
+CORRECTOR_NAMES = {"dcoco": "DCOCO corrector", "dflash2": "DFlash2 candidate selector"}
 
 
 def export_dflash(
@@ -378,23 +380,27 @@ def decoding_fields(drafter: DCOCODrafter) -> dict:
 def vllm_card(drafter: DCOCODrafter, config: dict, source: str | None) -> str:
     """README.md of the vllm export: what it holds and the one command that serves it."""
     cfg, block = drafter.config, config["block_size"]
-    corrector = (f"DFlash2 candidate selector (rank {cfg.selector_rank}, codebooks over the draft vocabulary)"
-                 if cfg.corrector_type == "dflash2" else "DCOCO corrector")
+    name, public = CORRECTOR_NAMES[cfg.corrector_type], ""
+    details = f"top-{cfg.top_k} candidates per slot, walk `{config['dcoco_config']['decoding']['selection']}`"
+    if cfg.corrector_type == "dflash2":
+        vocab = "the draft vocabulary" if cfg.draft_vocab_size else "the whole vocabulary"
+        details = f"rank {cfg.selector_rank}, codebooks over {vocab}, {details}"
+        public = (" The selector picks each block as dcoco-hf does. vLLM's own DFlash2 selector, without the plugin, "
+                  "reads the public format instead (`--format dflash2`; vLLM runs it in its GPU V2 model runner only).")
     return f"""---
 tags:
 - dflash
-- dcoco
+- {"dflash2" if cfg.corrector_type == "dflash2" else "dcoco"}
 - speculative-decoding
 - vllm
 ---
 
-# DFlash drafter with its corrector, for vLLM (exported by dcoco-hf)
+# DFlash drafter with its {name}, for vLLM (exported by dcoco-hf)
 
 {f"Exported from `{source}`. " if source else ""}A DFlash drafter ({cfg.num_hidden_layers} Qwen3-style layers of width
 {cfg.hidden_size}, reading target layers {list(cfg.target_layer_ids)}, blocks of {block}, mask token
-{cfg.mask_token_id}) with its {corrector} (top-{cfg.top_k} candidates per slot, walk
-`{config["dcoco_config"]["decoding"]["selection"]}`). The architecture `{VLLM_ARCHITECTURE}` is registered in vLLM
-by the dcoco-hf plugin; stock vLLM without it refuses this folder (export `--format dflash` for plain DFlash).
+{cfg.mask_token_id}) with its {name} ({details}). The architecture `{VLLM_ARCHITECTURE}` is registered in vLLM
+by the dcoco-hf plugin; stock vLLM without it refuses this folder (export `--format dflash` for plain DFlash).{public}
 
 ## Serve it
 
@@ -474,7 +480,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(str(error)) from None
     except OSError as error:  # e.g. a read-only output folder
         raise CLIError(f"could not write the export to {out_dir}: {error}") from None
-    what = {"vllm": "the DCOCO drafter (backbone and corrector, for vLLM with the dcoco-hf plugin)",
+    what = {"vllm": f"the drafter (backbone and {CORRECTOR_NAMES.get(drafter.config.corrector_type, 'corrector')}, "
+                    "for vLLM with the dcoco-hf plugin)",
             "dflash2": "the DFlash2 drafter (backbone and candidate selector, public DFlash2 format)"}.get(
                 args.format, "the DFlash backbone")
     dropped = "" if args.format != "dflash" else "corrector dropped; "

@@ -1,4 +1,4 @@
-"""The DCOCO drafter as a vLLM draft model: vLLM's own DFlash drafter, whose per-slot pick is the corrected block.
+"""A dcoco-hf drafter as a vLLM draft model: vLLM's own DFlash drafter, whose per-slot pick is the corrected block.
 
 How vLLM 0.32's DFlash proposer (`vllm/v1/spec_decode/dflash.py`, `llm_base_proposer.py`) drafts: the target's
 hidden states of the new context rows go into the drafter's KV cache; one drafter forward runs over the query rows,
@@ -6,9 +6,10 @@ request-major, each request's anchor (the last committed token) then `num_specul
 proposer keeps the mask rows and takes `compute_logits(rows).argmax(-1)` as the proposal (`get_top_tokens` with
 `use_local_argmax_reduction`). That argmax is the only place the proposal is chosen, so this class overrides
 `forward` to keep the block's rows (the anchor's hidden state and token id are not in the rows handed to
-`compute_logits`) and `compute_logits` to run the DCOCO corrector over each block: top-K candidates per slot, the
-transition scores, the configured walk (prefix-first for the shipped drafter). It returns logits that are 0 at the
-walked token and -inf elsewhere, so vLLM's argmax is the corrected path.
+`compute_logits`) and `compute_logits` to run the drafter's corrector over each block (DCOCO or the DFlash2
+candidate selector, whichever the export names): top-K candidates per slot, the transition scores, the configured
+walk (prefix-first for the shipped drafters). It returns logits that are 0 at the walked token and -inf elsewhere,
+so vLLM's argmax is the corrected path.
 
 Lossless either way: the target verifies every proposal. With vLLM's default `draft_sample_method="greedy"` the
 rejection sampler treats proposals as deterministic (no draft probabilities); with `"probabilistic"` it samples
@@ -16,9 +17,11 @@ from these logits, a point mass on the walked token, and uses that point mass as
 then exactly the rule for a deterministic proposal.
 
 The corrector's code is `DCOCODrafter`'s own: `DCOCOBlockCorrector` (block_corrector.py) binds its candidate,
-scoring and pair-input methods, so vLLM and `generate()` correct a block with the same functions. What vLLM does not hand a draft model is
-the request's committed token ids, so a corrector trained with `context_bigrams` sees m(a, b) = 0 here (no pair of
-the text is known); the corpus pair counts and the anchor -> slot 1 scores are read as in dcoco-hf.
+scoring, pair-input and walk methods, so vLLM and `generate()` correct a block with the same functions. What vLLM
+does not hand a draft model is the request's committed token ids, so a corrector trained with `context_bigrams` sees
+m(a, b) = 0 here (no pair of the text is known); the corpus pair counts, the draft vocabulary and the anchor -> slot 1
+scores are read as in dcoco-hf. LiLiCorr, which also reads the anchor's fused context row, is refused
+(`block_corrector.check_servable`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ DCOCO_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
 
 
 class DCOCODFlashForCausalLM(DFlashQwen3ForCausalLM):
-    """vLLM's DFlash draft model with the DCOCO corrector choosing each block (architecture `DFlashDCOCODraftModel`,
+    """vLLM's DFlash draft model with the drafter's corrector choosing each block (architecture `DFlashDCOCODraftModel`,
     registered by `dcoco_hf.vllm_plugin`; the export's config.json carries the corrector's settings under
     `dcoco_config`)."""
 
@@ -100,7 +103,8 @@ class DCOCODFlashForCausalLM(DFlashQwen3ForCausalLM):
             return None
         batch, block = slots
         rows = batch * block
-        logger.info_once("DCOCO corrector active (%s): %d drafted slots per request, top-%d candidates, walk %s.",
+        # scripts/vllm_bench.py reads this line ("corrector active (TYPE)") as proof that the corrector ran.
+        logger.info_once("corrector active (%s): %d drafted slots per request, top-%d candidates, walk %s.",
                          self.dcoco.config.corrector_type, block - 1, self.dcoco.config.top_k, self.dcoco.selection)
         block_hidden = hidden[:rows].view(batch, block, -1)
         tokens = self.dcoco.walk(block_hidden, input_ids[:rows].view(batch, block)[:, 0],

