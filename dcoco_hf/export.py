@@ -54,6 +54,7 @@ from .block_choice import check_block_size
 from .block_corrector import check_servable
 from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
 from .configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
+from .correctors import corrector_class
 from .drafter import DCOCODrafter, check_compatible
 from .selector import PUBLIC_ARCHITECTURE as DFLASH2_ARCHITECTURE
 from .selector import SelectorCorrector
@@ -382,7 +383,8 @@ def vllm_card(drafter: DCOCODrafter, config: dict, source: str | None) -> str:
     cfg, block = drafter.config, config["block_size"]
     name, public = CORRECTOR_NAMES[cfg.corrector_type], ""
     details = f"top-{cfg.top_k} candidates per slot, walk `{config['dcoco_config']['decoding']['selection']}`"
-    if cfg.corrector_type == "dflash2":
+    selector = corrector_class(cfg.corrector_type) is SelectorCorrector
+    if selector:
         vocab = "the draft vocabulary" if cfg.draft_vocab_size else "the whole vocabulary"
         details = f"rank {cfg.selector_rank}, codebooks over {vocab}, {details}"
         public = (" The selector picks each block as dcoco-hf does. vLLM's own DFlash2 selector, without the plugin, "
@@ -390,7 +392,7 @@ def vllm_card(drafter: DCOCODrafter, config: dict, source: str | None) -> str:
     return f"""---
 tags:
 - dflash
-- {"dflash2" if cfg.corrector_type == "dflash2" else "dcoco"}
+- {"dflash2" if selector else "dcoco"}
 - speculative-decoding
 - vllm
 ---
