@@ -92,7 +92,8 @@ class StaticDraftContextCache:
         keys each block row sees (the engines' mask) -> the additive mask [B, 1, Q, capacity] over the buffers."""
         needed = self.length + padded_rows + block
         if not self._keys or needed > self.capacity or self._keys[0].shape[0] != batch:
-            self._allocate(batch, max(needed, self.capacity if needed <= self.capacity else 2 * self.capacity), device)
+            grown = self.capacity if needed <= self.capacity else max(needed, 2 * self.capacity)
+            self._allocate(batch, grown, device)
         self.write_at = torch.arange(self.length, needed, device=device)  # [padded_rows + block]
         seen = torch.zeros(batch, block, self.capacity, dtype=torch.bool, device=device)  # [B, Q, capacity]
         context_end, block_start = self.length + new_rows, self.length + padded_rows
