@@ -268,22 +268,27 @@ def main() -> None:
                            "correct_first_slot": cfg.correct_first_slot, "context_bigrams": cfg.context_bigrams,
                            "corpus_bigrams": cfg.corpus_bigrams, "corrector_type": cfg.corrector_type},
                "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:],
-               "rank_weight_digests": rank_weight_digests(drafter)}  # one per process: equal when DDP kept them in step
+               "rank_weight_digests": rank_weight_digests(drafter, args.output)}  # one per process: equal when DDP kept them in step
     if trainer.is_world_process_zero():  # the process that exported the folder
         (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
 
 
-def rank_weight_digests(drafter: DCOCODrafter) -> list[str]:
-    """SHA-256 of the drafter's weights in every process (all of them take part), rank order."""
+def rank_weight_digests(drafter: DCOCODrafter, folder: Path) -> list[str]:
+    """SHA-256 of the drafter's weights in every process (all of them take part), rank order.
+
+    The digests travel as files in `folder` behind one barrier, not through `all_gather_object`: gloo's worker
+    thread can free that call's Python-made tensors last, which needs the GIL, and at exit that aborts the process
+    ("terminate called without an active exception") or deadlocks the process group's teardown."""
     digest = hashlib.sha256()
     for name, tensor in sorted(drafter.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [digest.hexdigest()]
-    digests = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(digests, digest.hexdigest())
-    return digests
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    (folder / f"weights-rank{rank}.sha256").write_text(digest.hexdigest())
+    torch.distributed.barrier()
+    return [(folder / f"weights-rank{r}.sha256").read_text() for r in range(world)]
 
 
 def corrector_switch(args: argparse.Namespace) -> dict:
