@@ -1,10 +1,10 @@
-"""A corrector that any serving engine can run over its drafted blocks, with `DCOCODrafter`'s own code.
+"""A corrector that any serving engine can run over its drafted blocks, with the drafter network's own code.
 
 An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/vllm_model.py`) has each block's drafter hidden states,
 its anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads
-besides those (its weights, the corpus pair counts, the draft vocabulary) and binds the drafter's methods that take a
-block's candidates and score them, so the engine's pick is the one `DCOCODrafter.propose` would make from the same
-block, not a re-implementation of it. It serves every corrector that reads nothing else, whichever the drafter's
+besides those (its weights, the corpus pair counts, the draft vocabulary) and binds the network's methods
+(`modeling_dcoco.DCOCODraftModel`) that take a block's candidates, score them and walk them, so the engine's pick is
+the one `DCOCODrafter.propose` would make from the same block, not a re-implementation of it. It serves every corrector that reads nothing else, whichever the drafter's
 `corrector_type` names (`correctors.corrector_class`): DCOCO and the DFlash2 candidate selector (which reads its
 codebooks by draft-vocabulary column: `draft_columns` is bound too). LiLiCorr also reads the anchor's fused context
 row (`Corrector.reads_anchor_state`), which an engine's draft forward keeps in its KV cache only, so it is refused.
@@ -22,7 +22,6 @@ from torch import nn
 from .configuration_dcoco import DCOCOConfig
 from .corrector import CorpusBigrams
 from .correctors import corrector_class
-from .drafter import DCOCODrafter
 from .modeling_dcoco import DCOCODraftModel
 
 
@@ -37,7 +36,7 @@ class DCOCOBlockCorrector(nn.Module):
     candidate_corpus_inputs = DCOCODraftModel.candidate_corpus_inputs
     scores_first_slot = DCOCODraftModel.scores_first_slot
     draft_columns = DCOCODraftModel.draft_columns  # the selector's codebooks are indexed by draft-vocabulary column
-    _correct = DCOCODrafter._correct  # the scores, then the walk from the slot-1 logits or the anchor's scores
+    correct_candidates = DCOCODraftModel.correct_candidates  # the scores, then the walk
 
     def __init__(self, config: DCOCOConfig, embed: Callable[[torch.Tensor], torch.Tensor],
                  selection: str = "prefix_first", geometric_lambda: float = 0.75) -> None:
@@ -74,7 +73,7 @@ class DCOCOBlockCorrector(nn.Module):
             return candidates[..., 0]
         context_ids = anchor_ids[:, None] if context_ids is None else context_ids  # one token: no pair
         # No context states or positions: they only locate LiLiCorr's anchor row, which check_servable refuses.
-        chosen, _, _ = self._correct(block_hidden, None, candidates, candidate_logits, log_probs, None, anchor_ids,
+        chosen, _, _ = self.correct_candidates(block_hidden, None, candidates, candidate_logits, log_probs, None, anchor_ids,
                                      context_ids, None, self.selection, self.geometric_lambda)
         return candidates.gather(-1, chosen[..., None]).squeeze(-1)
 

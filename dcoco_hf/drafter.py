@@ -38,7 +38,6 @@ from transformers.utils import cached_file
 from .candidate_generator import DCOCOCandidateGenerator
 from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache, StaticDraftContextCache
-from .corrector import select_candidates
 from .device import device_sync
 from .drafting import DraftProposal
 from .hf_compat import (
@@ -336,7 +335,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             start = time.perf_counter()
             chosen = first_scores = scores = None
             if corrected:
-                chosen, first_scores, scores = self._correct(
+                chosen, first_scores, scores = self.correct_candidates(
                     *draft, inputs[2], block_ids[:, 0], *inputs[5:], selection, decoding.geometric_lambda
                 )  # [B, S], [B, K] or None, [B, S - 1, K, K]
             sync()
@@ -365,31 +364,6 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         logits, column_tokens = self.proposal_logits(block_hidden[:, 1:])  # [B, S, V'] over the draft vocabulary
         return block_hidden, out.context_states, *self.slot_candidates(logits, column_tokens)
 
-    def _correct(
-        self,
-        block_hidden: torch.Tensor,
-        context_states: torch.Tensor,
-        candidates: torch.LongTensor,
-        candidate_logits: torch.Tensor,
-        log_probs: torch.Tensor | None,
-        position_ids: torch.LongTensor,
-        anchor_ids: torch.LongTensor,
-        context_ids: torch.LongTensor | None,
-        context_valid: torch.BoolTensor | None,
-        selection: str,
-        geometric_lambda: float,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
-        """The corrector phase of `propose`: the candidates' transition scores and the walk through them ->
-        (chosen [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K])."""
-        anchor = self.anchor_rows(context_states, position_ids) if self.corrector.reads_anchor_state else None
-        first_scores, scores = self.score_candidates(
-            block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=anchor, context_ids=context_ids,
-            context_valid=context_valid,
-        )
-        # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
-        first = first_scores if first_scores is not None else candidate_logits[:, 0]
-        return select_candidates(selection, scores.float(), first.float(), geometric_lambda), first_scores, scores
-
     def _draft(
         self,
         block_ids: torch.LongTensor,
@@ -408,7 +382,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         draft = self._draft_block(block_ids, context_hidden_states, position_ids, attention_mask, cache)
         if not corrected:
             return draft[2], draft[3], None, None, None
-        correction = self._correct(
+        correction = self.correct_candidates(
             *draft, position_ids, block_ids[:, 0], context_ids, context_valid, selection, geometric_lambda
         )
         return draft[2], draft[3], *correction

@@ -34,7 +34,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .configuration_dcoco import DCOCOConfig
-from .corrector import ContextBigrams, CorpusBigrams, Corrector
+from .corrector import ContextBigrams, CorpusBigrams, Corrector, select_candidates
 from .correctors import corrector_class
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -408,6 +408,34 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
             self.config, block_hidden, anchor_ids, candidates, candidate_logits, self.input_embedding(),
             candidate_log_probs, anchor, seen, corpus,
         )
+
+    def correct_candidates(
+        self,
+        block_hidden: torch.Tensor,
+        context_states: torch.Tensor,
+        candidates: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+        log_probs: torch.Tensor | None,
+        position_ids: torch.LongTensor,
+        anchor_ids: torch.LongTensor,
+        context_ids: torch.LongTensor | None,
+        context_valid: torch.BoolTensor | None,
+        selection: str,
+        geometric_lambda: float,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
+        """The corrector phase of a draft: the candidates' transition scores and the walk through them -> (chosen
+        [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K]). block_hidden, context_states
+        and log_probs as `DCOCODrafter.propose` has them after the backbone (`slot_candidates`); context_states and
+        position_ids locate LiLiCorr's anchor row only (`anchor_rows`); selection: "prefix_first" | "viterbi" |
+        "geometric"."""
+        anchor = self.anchor_rows(context_states, position_ids) if self.corrector.reads_anchor_state else None
+        first_scores, scores = self.score_candidates(
+            block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=anchor, context_ids=context_ids,
+            context_valid=context_valid,
+        )
+        # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
+        first = first_scores if first_scores is not None else candidate_logits[:, 0]
+        return select_candidates(selection, scores.float(), first.float(), geometric_lambda), first_scores, scores
 
     def anchor_rows(
         self, context_states: torch.Tensor, position_ids: torch.LongTensor
