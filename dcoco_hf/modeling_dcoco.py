@@ -412,11 +412,11 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
     def correct_candidates(
         self,
         block_hidden: torch.Tensor,
-        context_states: torch.Tensor,
+        context_states: torch.Tensor | None,
         candidates: torch.LongTensor,
         candidate_logits: torch.Tensor,
         log_probs: torch.Tensor | None,
-        position_ids: torch.LongTensor,
+        position_ids: torch.LongTensor | None,
         anchor_ids: torch.LongTensor,
         context_ids: torch.LongTensor | None,
         context_valid: torch.BoolTensor | None,
@@ -426,8 +426,8 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         """The corrector phase of a draft: the candidates' transition scores and the walk through them -> (chosen
         [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K]). block_hidden, context_states
         and log_probs as `DCOCODrafter.propose` has them after the backbone (`slot_candidates`); context_states and
-        position_ids locate LiLiCorr's anchor row only (`anchor_rows`); selection: "prefix_first" | "viterbi" |
-        "geometric"."""
+        position_ids locate LiLiCorr's anchor row only (`anchor_rows`; None serves the other correctors);
+        selection: "prefix_first" | "viterbi" | "geometric"."""
         anchor = self.anchor_rows(context_states, position_ids) if self.corrector.reads_anchor_state else None
         first_scores, scores = self.score_candidates(
             block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=anchor, context_ids=context_ids,
