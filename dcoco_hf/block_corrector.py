@@ -1,15 +1,15 @@
 """A corrector that any serving engine can run over its drafted blocks, with the drafter network's own code.
 
-An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/vllm_model.py`) has each block's drafter hidden states,
-its anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads
-besides those (its weights, the corpus pair counts, the draft vocabulary) and binds the network's methods
-(`modeling_dcoco.DCOCODraftModel`) that take a block's candidates, score them and walk them, so the engine's pick is
-the one `DCOCODrafter.propose` would make from the same block, not a re-implementation of it. It serves every corrector that reads nothing else, whichever the drafter's
-`corrector_type` names (`correctors.corrector_class`): DCOCO and the DFlash2 candidate selector (which reads its
-codebooks by draft-vocabulary column: `draft_columns` is bound too). LiLiCorr also reads the anchor's fused context
-row (`Corrector.reads_anchor_state`), which an engine's draft forward keeps in its KV cache only, so it is refused.
-The name keeps the package's prefix, as `DCOCODrafter` does for every corrector it carries. No engine is imported
-here, so the equivalence is tested without one.
+An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/vllm_model.py`) has each block's drafter hidden states, its
+anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads besides
+those (its weights, the corpus pair counts, the draft vocabulary) and binds the network's methods
+(`modeling_dcoco.DCOCODraftModel`) that take a block's candidates, score them and walk them, so the engine's pick is the
+one `DCOCODrafter.propose` would make from the same block, not a re-implementation of it. It serves every corrector that
+reads nothing else, whichever the drafter's `corrector_type` names (`correctors.corrector_class`): DCOCO and the DFlash2
+candidate selector (which reads its codebooks by draft-vocabulary column: `draft_columns` is bound too). LiLiCorr also
+reads the anchor's fused context row (`Corrector.reads_anchor_state`), which an engine's draft forward keeps in its KV
+cache only, so it is refused. The name keeps the package's prefix, as `DCOCODrafter` does for every corrector it
+carries. No engine is imported here, so the equivalence is tested without one.
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ class DCOCOBlockCorrector(nn.Module):
             return candidates[..., 0]
         context_ids = anchor_ids[:, None] if context_ids is None else context_ids  # one token: no pair
         # No context states or positions: they only locate LiLiCorr's anchor row, which check_servable refuses.
-        chosen, _, _ = self.correct_candidates(block_hidden, None, candidates, candidate_logits, log_probs, None, anchor_ids,
-                                     context_ids, None, self.selection, self.geometric_lambda)
+        chosen, _, _ = self.correct_candidates(
+            block_hidden, None, candidates, candidate_logits, log_probs, None, anchor_ids, context_ids, None,
+            self.selection, self.geometric_lambda,
+        )
         return candidates.gather(-1, chosen[..., None]).squeeze(-1)
 
 

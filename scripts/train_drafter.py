@@ -268,7 +268,8 @@ def main() -> None:
                            "correct_first_slot": cfg.correct_first_slot, "context_bigrams": cfg.context_bigrams,
                            "corpus_bigrams": cfg.corpus_bigrams, "corrector_type": cfg.corrector_type},
                "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:],
-               "rank_weight_digests": rank_weight_digests(drafter, args.output)}  # one per process: equal when DDP kept them in step
+               # one per process: equal when DDP kept them in step
+               "rank_weight_digests": rank_weight_digests(drafter, args.output)}
     if trainer.is_world_process_zero():  # the process that exported the folder
         (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
 
