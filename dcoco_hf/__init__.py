@@ -8,11 +8,11 @@ contextual corrector.
 
 from transformers import AutoConfig, AutoModel
 
-from .block_choice import BlockSizeChoice, choose_block_size, set_block_size
-from .candidate_generator import DCOCOCandidateGenerator
-from .configuration_dcoco import DCOCOConfig
-from .context_cache import DraftContextCache
-from .corrector import (
+from .runtime.block_choice import BlockSizeChoice, choose_block_size, set_block_size
+from .runtime.candidate_generator import DCOCOCandidateGenerator
+from .network.configuration_dcoco import DCOCOConfig
+from .runtime.context_cache import DraftContextCache
+from .network.corrector import (
     ContextBigrams,
     CorpusBigrams,
     DCOCOCorrector,
@@ -20,15 +20,15 @@ from .corrector import (
     select_candidates,
     viterbi_walk,
 )
-from .cpu_attention import CPU_GQA_ATTENTION
-from .cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
-from .generation import SpeculativeOutput, speculative_generate
-from .drafter import DCOCODrafter, spread_layer_ids
-from .drafting import DraftProposal
-from .modeling_dcoco import DCOCODraftModel
-from .stats import DCOCOStats
-from .tap import TargetTap
-from .tuning import Tuning, tune, untune
+from .runtime.cpu_attention import CPU_GQA_ATTENTION
+from .runtime.cpu_linear import FewRowsLinear, restore_linear, use_few_rows_linear
+from .runtime.generation import SpeculativeOutput, speculative_generate
+from .runtime.drafter import DCOCODrafter, spread_layer_ids
+from .runtime.drafting import DraftProposal
+from .network.modeling_dcoco import DCOCODraftModel
+from .runtime.stats import DCOCOStats
+from .runtime.tap import TargetTap
+from .runtime.tuning import Tuning, tune, untune
 
 # A saved folder names its own code (the network) for the Auto classes; with the package imported, AutoConfig and
 # AutoModel build the package's classes for the "dcoco" model type instead, `trust_remote_code` or not, so

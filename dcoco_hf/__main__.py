@@ -1,5 +1,5 @@
 """`python -m dcoco_hf ...` runs the `dcoco-hf` command line."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

@@ -42,7 +42,7 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from .logs import log
+from .runtime.logs import log
 
 __all__ = [
     "CACHE_ENV_VAR",

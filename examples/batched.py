@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf import speculative_generate
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.cli_common import default_drafter_path
+from dcoco_hf.cli.common import default_drafter_path
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",

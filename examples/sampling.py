@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.cli_common import default_drafter_path
+from dcoco_hf.cli.common import default_drafter_path
 
 
 def first_tokens(target, inputs, samples: int, seed: int, drafter=None) -> Counter:

@@ -30,8 +30,8 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf.assets import default_target_path, load_prompts_file, suite_prompts
-from dcoco_hf.proposal import SCHEDULES
-from dcoco_hf.tuning import cpu_name
+from dcoco_hf.runtime.proposal import SCHEDULES
+from dcoco_hf.runtime.tuning import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"

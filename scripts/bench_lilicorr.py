@@ -11,7 +11,7 @@ runs, for each prompt, in an order rotated per prompt:
 * lilicorr@B: the LiLiCorr drafter;
 * lilicorr-plain@B: the same LiLiCorr drafter with its pair evidence off (loaded with context_bigrams=False,
   corpus_bigrams=None), the head alone, as the public format exports it; only when the drafter has evidence;
-* dflash2@B: with `--selector-drafter FOLDER`, the DFlash2 candidate selector drafter (dcoco_hf/selector.py);
+* dflash2@B: with `--selector-drafter FOLDER`, the DFlash2 candidate selector drafter (dcoco_hf/network/selector.py);
 * dflash-LABEL@B: with `--backbone LABEL=FOLDER`, another backbone with its corrector off (DScout's AWL, its control),
 
 all through the bench's `MethodRunner`, so tau, speedup (tokens/s against vanilla on the same prompts), the head's
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dcoco_hf.bench import (
+from dcoco_hf.cli.bench import (
     BenchSettings,
     MethodRunner,
     _compare_with_vanilla,
@@ -50,16 +50,16 @@ from dcoco_hf.bench import (
     rotated,
     summarise,
 )
-from dcoco_hf.block_choice import set_block_size
-from dcoco_hf.cli_common import (
+from dcoco_hf.runtime.block_choice import set_block_size
+from dcoco_hf.cli.common import (
     add_prompt_arguments,
     collect_prompts,
     load_drafter,
     load_target,
 )
-from dcoco_hf.cpu_linear import use_few_rows_linear
-from dcoco_hf.lilicorr import LiLiCorrCorrector
-from dcoco_hf.selector import SelectorCorrector
+from dcoco_hf.runtime.cpu_linear import use_few_rows_linear
+from dcoco_hf.network.lilicorr import LiLiCorrCorrector
+from dcoco_hf.network.selector import SelectorCorrector
 
 ROOT = Path(__file__).resolve().parents[1]
 # The few-rows layouts `attach` measured for SmolLM2-135M on the 2-core AMD EPYC machine of docs/lilicorr.md.

@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package of this checkout, also where it is not pip-installed
 from dcoco_hf import DCOCODrafter, speculative_generate  # noqa: E402
 from dcoco_hf.assets import left_pad  # noqa: E402
-from dcoco_hf.block_choice import set_block_size  # noqa: E402
-from dcoco_hf.device import device_sync  # noqa: E402
-from dcoco_hf.hf_compat import ASSISTED_STATIC_CACHE, assisted_static_cache  # noqa: E402
+from dcoco_hf.runtime.block_choice import set_block_size  # noqa: E402
+from dcoco_hf.runtime.device import device_sync  # noqa: E402
+from dcoco_hf.runtime.hf_compat import ASSISTED_STATIC_CACHE, assisted_static_cache  # noqa: E402
 from dcoco_hf.training import fit_on_own_answers  # noqa: E402
 from gpu_batched_bench import CORRECTORS, QWEN3_8B, TINY  # noqa: E402  (scripts/ is on the path: this script's folder)
 

@@ -1,6 +1,6 @@
 """Record a drafter's tau at each block size, measured by benches on held-out prompts, in its generation_config.json.
 
-`--block-size auto` (dcoco_hf/block_choice.py) weighs these against cycle times timed on the machine at hand and
+`--block-size auto` (dcoco_hf/runtime/block_choice.py) weighs these against cycle times timed on the machine at hand and
 drafts the block of highest tau / cycle time. Measure with the corrector on (dcoco@B methods), at every block size
 worth considering; greedy tau does not depend on timing, so benches run separately (or on another machine) combine:
 
@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from dcoco_hf import DCOCOConfig
-from dcoco_hf.bench import split_method
-from dcoco_hf.configuration_dcoco import DECODING_FIELDS, DecodingChoices
+from dcoco_hf.cli.bench import split_method
+from dcoco_hf.network.configuration_dcoco import DECODING_FIELDS, DecodingChoices
 
 
 def block_tau(report: dict, method: str, suite: str | None) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dcoco_hf.drafter import network_code_files, save_network_code
+from dcoco_hf.runtime.drafter import network_code_files, save_network_code
 
 
 def remote_code_files() -> list[str]:

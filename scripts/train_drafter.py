@@ -30,9 +30,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from dcoco_hf import CorpusBigrams, DCOCODrafter
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.block_choice import set_block_size
-from dcoco_hf.configuration_dcoco import DCOCOConfig
-from dcoco_hf.correctors import CORRECTOR_TYPES
+from dcoco_hf.runtime.block_choice import set_block_size
+from dcoco_hf.network.configuration_dcoco import DCOCOConfig
+from dcoco_hf.network.correctors import CORRECTOR_TYPES
 from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import PAIR_LOSSES, SLOT_WEIGHTINGS
 from dcoco_hf.training.trainer import (
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'successor' keeps only the part the prefix-first walk uses, the true predecessor's K "
                         "successors")
     p.add_argument("--corrector", choices=CORRECTOR_TYPES, default=None,
-                   help="the corrector to train: 'dcoco' (transition MLP), 'lilicorr' (dcoco_hf/lilicorr.py) or "
-                        "'dflash2' (DFlash2's candidate selector, dcoco_hf/selector.py). With --init of a drafter "
+                   help="the corrector to train: 'dcoco' (transition MLP), 'lilicorr' (dcoco_hf/network/lilicorr.py) or "
+                        "'dflash2' (DFlash2's candidate selector, dcoco_hf/network/selector.py). With --init of a drafter "
                         "with another kind, its backbone is kept and a fresh head of this kind, proposing the "
                         "drafter's argmax until trained, is trained (default: the --init drafter's own, 'dcoco' for "
                         "a new drafter)")

@@ -1,7 +1,7 @@
 """What a verify forward costs: one target forward of n new tokens relative to a 1-token step, side by side for
-every few-rows linear layout of dcoco_hf/cpu_linear.py (torch's GEMM, W @ x^T, MKL's packed GEMM where torch has
+every few-rows linear layout of dcoco_hf/runtime/cpu_linear.py (torch's GEMM, W @ x^T, MKL's packed GEMM where torch has
 it), and the plan `use_few_rows_linear` measures on this machine. All of them run on the "sdpa_cpu_gqa" attention
-(dcoco_hf/cpu_attention.py, the CLI's CPU default); a last column runs the plan on transformers' "sdpa", which
+(dcoco_hf/runtime/cpu_attention.py, the CLI's CPU default); a last column runs the plan on transformers' "sdpa", which
 expands a grouped-head target's keys/values in every masked multi-token forward.
 
 The layouts run interleaved on the same cached context, so the ratios are comparable within the run even on a noisy
@@ -25,14 +25,14 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
-from dcoco_hf.cpu_linear import (
+from dcoco_hf.runtime.cpu_attention import CPU_GQA_ATTENTION
+from dcoco_hf.runtime.cpu_linear import (
     available_layouts,
     restore_linear,
     tune_few_rows_layout,
     use_few_rows_linear,
 )
-from dcoco_hf.hf_compat import cache_kwargs
+from dcoco_hf.runtime.hf_compat import cache_kwargs
 
 
 def cache_before(target, context: torch.LongTensor, new_tokens: int) -> DynamicCache:

@@ -157,7 +157,7 @@ def serve(spec: dict, scratch: Path, name: str, may_refuse: bool = False) -> dic
 
 def corrector_logged(log: str) -> str | None:
     """The corrector type the plugin's draft model logs once it has corrected a block ("corrector active (TYPE)",
-    dcoco_hf/vllm_model.py); None where no block was corrected."""
+    dcoco_hf/serving/vllm_model.py); None where no block was corrected."""
     found = re.search(r"corrector active \((\w+)\)", log)
     return found.group(1) if found else None
 

@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.corrector import CorpusBigrams, DCOCOCorrector
+from dcoco_hf.network.corrector import CorpusBigrams, DCOCOCorrector
 from dcoco_hf.training import fit_on_own_answers
 
 # attach() caches its CPU measurements on disk; tests keep theirs out of the user's ~/.cache.

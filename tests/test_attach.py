@@ -19,8 +19,8 @@ import torch
 from conftest import make_target
 
 from dcoco_hf import DCOCODrafter, FewRowsLinear
-from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
-from dcoco_hf.hf_compat import cache_kwargs, output_cache
+from dcoco_hf.runtime.cpu_attention import CPU_GQA_ATTENTION
+from dcoco_hf.runtime.hf_compat import cache_kwargs, output_cache
 
 TESTS = Path(__file__).resolve().parent
 BLOCK_TAU = {"2": 1.4, "3": 1.7, "4": 1.9}
@@ -153,14 +153,14 @@ _SECOND_PROCESS = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {tests!r})
     import torch
-    from dcoco_hf import block_choice
+    from dcoco_hf.runtime import block_choice
     from conftest import make_target
     from dcoco_hf import DCOCODrafter
 
     timed = []
     original = block_choice.measure_cycle_costs
     block_choice.measure_cycle_costs = lambda *a, **k: timed.append(1) or original(*a, **k)
-    from dcoco_hf import tuning
+    from dcoco_hf.runtime import tuning
     tuning.measure_cycle_costs = block_choice.measure_cycle_costs
     target = make_target("llama")
     torch.manual_seed(0)

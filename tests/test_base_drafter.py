@@ -14,7 +14,7 @@ from transformers import AutoModel
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.drafter import resolve_base
+from dcoco_hf.runtime.drafter import resolve_base
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 BASE, HEAD = CARDS / "dcoco-smollm2-135m", CARDS / "lilicorr-smollm2-135m"

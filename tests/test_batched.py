@@ -31,11 +31,11 @@ from test_lilicorr import lilicorr_copy, randomise
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LogitsProcessorList
 
-import dcoco_hf.generation as generation
+import dcoco_hf.runtime.generation as generation
 from dcoco_hf import CorpusBigrams, SpeculativeOutput, speculative_generate
-from dcoco_hf.cpu_linear import LAYOUTS
-from dcoco_hf.engine import SpeculationEngine
-from dcoco_hf.proposal import CycleCosts
+from dcoco_hf.runtime.cpu_linear import LAYOUTS
+from dcoco_hf.runtime.engine import SpeculationEngine
+from dcoco_hf.runtime.proposal import CycleCosts
 
 PAD = 0
 
@@ -372,7 +372,7 @@ def test_wrong_verification_is_caught(sampling_models, monkeypatch):
 
 
 def test_bench_batch_smoke(fitted, tmp_path):
-    from dcoco_hf.batch_bench import run_batch_bench
+    from dcoco_hf.cli.batch_bench import run_batch_bench
 
     target, drafter = fitted
     prompts = [left_padded(70 + i, [3 + i])[0][0] for i in range(5)]

@@ -1,4 +1,4 @@
-"""The cycle costs (dcoco_hf/block_choice.py) and the constant schedule's block, DScout's tau / cycle time, on the
+"""The cycle costs (dcoco_hf/runtime/block_choice.py) and the constant schedule's block, DScout's tau / cycle time, on the
 tiny fitted drafter."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dcoco_hf import DCOCOConfig, DCOCODrafter
-from dcoco_hf.block_choice import candidate_block_sizes, choose_block_size, measure_cycle_costs
-from dcoco_hf.configuration_dcoco import DecodingChoices
-from dcoco_hf.proposal import CycleCosts
+from dcoco_hf.runtime.block_choice import candidate_block_sizes, choose_block_size, measure_cycle_costs
+from dcoco_hf.network.configuration_dcoco import DecodingChoices
+from dcoco_hf.runtime.proposal import CycleCosts
 
 # The shipped SmolLM2 drafter's HumanEval tau per block size (its bench_block_sizes.json): it grows fast up to blocks
 # of 4, then hardly.

@@ -17,8 +17,8 @@ from transformers import (
 )
 
 from dcoco_hf import speculative_generate
-from dcoco_hf.candidate_generator import cut_at_stop, tokens_before_stop
-from dcoco_hf.hf_compat import TRANSFORMERS_VERSION
+from dcoco_hf.runtime.candidate_generator import cut_at_stop, tokens_before_stop
+from dcoco_hf.runtime.hf_compat import TRANSFORMERS_VERSION
 
 
 class StopAfterToken(StoppingCriteria):
@@ -213,7 +213,7 @@ def test_a_second_thread_is_refused_while_a_call_runs(fitted, path):
 def test_stop_strings_on_the_default_target_stop_where_plain_generate_does(stop):
     from dcoco_hf import DCOCODrafter
     from dcoco_hf.assets import load_default_target
-    from dcoco_hf.cli_common import default_drafter_path
+    from dcoco_hf.cli.common import default_drafter_path
 
     target, tokenizer = load_default_target()
     drafter = DCOCODrafter.from_pretrained(default_drafter_path()).attach(target)
@@ -232,8 +232,8 @@ def test_stop_strings_on_the_default_target_stop_where_plain_generate_does(stop)
 @pytest.mark.parametrize("path", ["assisted", "batched"])
 def test_no_device_sync_in_the_hot_path_unless_timing_was_asked(fitted, path, monkeypatch):
     """On a GPU each sync stalls the pipeline: drafting and the tap wait for the device only with time_phases."""
-    import dcoco_hf.drafter as drafting
-    import dcoco_hf.tap as tap
+    import dcoco_hf.runtime.drafter as drafting
+    import dcoco_hf.runtime.tap as tap
 
     target, drafter = fitted
     waits = []

@@ -23,16 +23,16 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from dcoco_hf import DCOCODrafter, cli, cli_common
-from dcoco_hf.bench import (
+from dcoco_hf.cli.bench import (
     METHODS,
     BenchSettings,
     MethodRunner,
     format_report,
     rotated,
 )
-from dcoco_hf.cpu_linear import LAYOUTS
-from dcoco_hf.hf_compat import assisted_static_cache
-from dcoco_hf.plots import PLOT_FILES
+from dcoco_hf.runtime.cpu_linear import LAYOUTS
+from dcoco_hf.runtime.hf_compat import assisted_static_cache
+from dcoco_hf.cli.plots import PLOT_FILES
 
 SPECULATIVE = [m for m in METHODS if m != "vanilla"]
 SUMMARY_KEYS = {
@@ -493,7 +493,7 @@ def test_speedup_is_a_ratio_of_tokens_per_second():
     """Under sampling the methods write answers of different lengths: a method that stops earlier must not look
     faster. 100 tokens in 10 s (vanilla) against 50 tokens in 4 s is 1.25x, not the 2.5x a ratio of times says."""
     from dcoco_hf import DCOCOStats
-    from dcoco_hf.bench import RunRecord, summarise
+    from dcoco_hf.cli.bench import RunRecord, summarise
 
     def record(method: str, tokens: int, seconds: float) -> RunRecord:
         return RunRecord("suite", 0, method, 8, tokens, seconds, DCOCOStats(target_forwards=tokens))
@@ -558,8 +558,8 @@ def test_ctrl_c_during_bench_reports_the_finished_prompts(tiny, monkeypatch):
 
 
 def test_the_summary_names_the_blocks_each_call_drafted():
-    from dcoco_hf.cli import blocks_drafted
-    from dcoco_hf.stats import DCOCOStats
+    from dcoco_hf.cli.main import blocks_drafted
+    from dcoco_hf.runtime.stats import DCOCOStats
 
     stats = DCOCOStats()
     assert blocks_drafted(stats, 8) == "blocks of 8"  # nothing drafted: the configured block

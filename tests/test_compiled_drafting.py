@@ -23,7 +23,7 @@ from test_lilicorr import lilicorr_copy, randomise
 from torch._dynamo import lookup_backend
 
 from dcoco_hf import CorpusBigrams, speculative_generate
-from dcoco_hf.context_cache import DraftContextCache, StaticDraftContextCache
+from dcoco_hf.runtime.context_cache import DraftContextCache, StaticDraftContextCache
 
 CPU_CAPTURE = dict(backend="aot_eager")  # the traced graph on the eager kernels: no C++ build on CPU
 

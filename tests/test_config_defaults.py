@@ -7,7 +7,7 @@ import pytest
 from conftest import make_target
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.configuration_dcoco import DEFAULT_ROPE_THETA, DCOCOConfig
+from dcoco_hf.network.configuration_dcoco import DEFAULT_ROPE_THETA, DCOCOConfig
 
 
 def test_from_target_copies_the_targets_rope():
@@ -26,7 +26,7 @@ def test_one_default_base_without_rope_settings():
 
 
 def test_decoding_switches_are_checked():
-    from dcoco_hf.configuration_dcoco import DecodingChoices
+    from dcoco_hf.network.configuration_dcoco import DecodingChoices
 
     config = DCOCOConfig(target_layer_ids=[0])
     assert DecodingChoices.read({}, config).use_corrector is True
@@ -41,7 +41,7 @@ def test_each_field_is_declared_once():
     its own, every declared default is what a bare config holds, and a value of the wrong type is refused by name."""
     import inspect
 
-    from dcoco_hf.configuration_dcoco import CONFIG_FIELDS
+    from dcoco_hf.network.configuration_dcoco import CONFIG_FIELDS
 
     assert set(inspect.signature(DCOCOConfig.__init__).parameters) == {"self", "rope_theta", "dflash_config", "kwargs"}
     bare = DCOCOConfig(target_layer_ids=[0])

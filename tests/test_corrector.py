@@ -20,7 +20,7 @@ from dcoco_hf import (
     select_candidates,
     viterbi_walk,
 )
-from dcoco_hf.context_cache import DraftContextCache
+from dcoco_hf.runtime.context_cache import DraftContextCache
 from dcoco_hf.training import target_context
 
 SELECTIONS = ("prefix_first", "viterbi", "geometric")
@@ -418,7 +418,7 @@ def test_the_legacy_walk_name_greedy_still_loads_as_prefix_first():
     """Checkpoints before 0.2 wrote selection "greedy" (which also names greedy decoding); they load unchanged
     (tests/test_save_load.py loads a whole folder of that age)."""
     from dcoco_hf import DCOCOConfig
-    from dcoco_hf.configuration_dcoco import DecodingChoices
+    from dcoco_hf.network.configuration_dcoco import DecodingChoices
 
     config = DCOCOConfig(target_layer_ids=[1])
     assert DecodingChoices.read({"selection": "greedy"}, config).selection == "prefix_first"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from dcoco_hf.corrector import Corrector, DCOCOCorrector
-from dcoco_hf.correctors import CORRECTORS, corrector_class
-from dcoco_hf.lilicorr import LiLiCorrCorrector
-from dcoco_hf.selector import SelectorCorrector
+from dcoco_hf.network.corrector import Corrector, DCOCOCorrector
+from dcoco_hf.network.correctors import CORRECTORS, corrector_class
+from dcoco_hf.network.lilicorr import LiLiCorrCorrector
+from dcoco_hf.network.selector import SelectorCorrector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,4 +34,4 @@ def test_only_the_registry_compares_the_corrector_type():
         ["git", "grep", "-n", r"corrector_type ==\|corrector_type !=", "--", ".", ":!tests"],
         cwd=ROOT, capture_output=True, text=True,
     ).stdout
-    assert found == "", f"compare through dcoco_hf/correctors.py instead:\n{found}"
+    assert found == "", f"compare through dcoco_hf/network/correctors.py instead:\n{found}"

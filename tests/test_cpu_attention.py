@@ -1,4 +1,4 @@
-"""The "sdpa_cpu_gqa" attention (dcoco_hf/cpu_attention.py): same numbers as transformers' "sdpa", without the
+"""The "sdpa_cpu_gqa" attention (dcoco_hf/runtime/cpu_attention.py): same numbers as transformers' "sdpa", without the
 key/value expansion in masked multi-row forwards, and plain 1-token decoding untouched."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from conftest import PROMPT_LEN, make_target
 
 from dcoco_hf import CPU_GQA_ATTENTION, speculative_generate
-from dcoco_hf.cli_common import resolve_attn
-from dcoco_hf.hf_compat import cache_kwargs, output_cache
+from dcoco_hf.cli.common import resolve_attn
+from dcoco_hf.runtime.hf_compat import cache_kwargs, output_cache
 
 
 @contextmanager

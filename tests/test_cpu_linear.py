@@ -1,4 +1,4 @@
-"""Few-row CPU linear layouts (dcoco_hf/cpu_linear.py): same numbers, same model, still lossless, chosen by timing."""
+"""Few-row CPU linear layouts (dcoco_hf/runtime/cpu_linear.py): same numbers, same model, still lossless, chosen by timing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from dcoco_hf import FewRowsLinear, cpu_linear, restore_linear, use_few_rows_linear
-from dcoco_hf.cpu_linear import (
+from dcoco_hf.runtime.cpu_linear import (
     LAYOUTS,
     available_layouts,
     few_rows_plan,

@@ -1,4 +1,4 @@
-"""`dcoco_hf.export`: the DFlash backbone in the public z-lab format (what vLLM / SGLang load), and the way back:
+"""`dcoco_hf.serving.export`: the DFlash backbone in the public z-lab format (what vLLM / SGLang load), and the way back:
 a DCOCO corrector trained on top of a DFlash folder (`train_drafter.py --corrector-only --init DFLASH_FOLDER`)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from safetensors import safe_open
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from dcoco_hf import DCOCOCandidateGenerator, DCOCODrafter
-from dcoco_hf.context_cache import DraftContextCache
-from dcoco_hf.export import export_dflash
+from dcoco_hf.runtime.context_cache import DraftContextCache
+from dcoco_hf.serving.export import export_dflash
 from dcoco_hf.training import target_context
 
 REPO = Path(__file__).resolve().parents[1]

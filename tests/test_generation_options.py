@@ -20,7 +20,7 @@ from conftest import _FITTED, VOCAB, fit_drafter, make_target
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from dcoco_hf import speculative_generate
-from dcoco_hf.hf_compat import assisted_static_cache
+from dcoco_hf.runtime.hf_compat import assisted_static_cache
 
 PAD = 0
 NEW = 24

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dcoco_hf.hf_compat import assisted_static_cache
+from dcoco_hf.runtime.hf_compat import assisted_static_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import torch
 from conftest import PROMPT_LEN, scrambled
 
 from dcoco_hf import DCOCOStats
-from dcoco_hf.hf_compat import assisted_static_cache
+from dcoco_hf.runtime.hf_compat import assisted_static_cache
 
 # (prompt seed, prompt length, max_new_tokens): lengths at, around and far from the block boundary (block 8 = 7 slots)
 CASES = [
@@ -71,7 +71,7 @@ def test_corrections_change_proposals(fitted):
 
 
 def _draft(drafter, target, ids, correct: bool) -> torch.LongTensor:
-    from dcoco_hf.candidate_generator import DCOCOCandidateGenerator
+    from dcoco_hf.runtime.candidate_generator import DCOCOCandidateGenerator
 
     engine = DCOCOCandidateGenerator(drafter, correct=correct)
     target(input_ids=ids[:, :-1])  # the verify forward that would have preceded this draft

@@ -18,7 +18,7 @@ import torch
 from conftest import _FITTED, VOCAB, fit_drafter, make_target
 
 from dcoco_hf import speculative_generate
-from dcoco_hf.precision import align_drafter_dtype, target_compute_dtype
+from dcoco_hf.runtime.precision import align_drafter_dtype, target_compute_dtype
 
 MIXES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]  # (target, drafter)
 # A bfloat16 logit of these tiny targets (|logit| < 4) is rounded to 1/64 at worst; a verify forward and a 1-token

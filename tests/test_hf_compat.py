@@ -1,4 +1,4 @@
-"""The adapter to transformers (dcoco_hf/hf_compat.py) against the installed release: each reader of the assisted
+"""The adapter to transformers (dcoco_hf/runtime/hf_compat.py) against the installed release: each reader of the assisted
 loop's internals finds what it reads inside a real `generate(assistant_model=drafter)` call, and nothing outside
 one. CI runs this file on the oldest and the newest supported transformers, so a release that moves these internals
 fails here, by name, before any output could change."""
@@ -11,10 +11,8 @@ from conftest import PROMPT_LEN, VOCAB
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
-import dcoco_hf.drafter as runtime
-from dcoco_hf import hf_compat
-
-
+import dcoco_hf.runtime.drafter as runtime
+from dcoco_hf.runtime import hf_compat
 class _Never(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

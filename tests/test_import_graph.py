@@ -15,12 +15,12 @@ PACKAGE = Path(dcoco_hf.__file__).parent
 # The network a Hub folder carries (`modeling_dcoco.py` and what it imports): no runtime module among them, so a
 # folder holds the model code only and the runtime comes from the installed package.
 NETWORK_MODULES = {
-    "dcoco_hf.modeling_dcoco",
-    "dcoco_hf.configuration_dcoco",
-    "dcoco_hf.corrector",
-    "dcoco_hf.correctors",
-    "dcoco_hf.lilicorr",
-    "dcoco_hf.selector",
+    "dcoco_hf.network.modeling_dcoco",
+    "dcoco_hf.network.configuration_dcoco",
+    "dcoco_hf.network.corrector",
+    "dcoco_hf.network.correctors",
+    "dcoco_hf.network.lilicorr",
+    "dcoco_hf.network.selector",
 }
 HUB_FOLDER_MAX_PY_FILES = 6
 
@@ -87,8 +87,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_graph_sees_every_kind_of_import():
     graph = import_graph()
-    assert "dcoco_hf.modeling_dcoco" in graph and "dcoco_hf.training.objective" in graph
-    assert "dcoco_hf.corrector" in graph["dcoco_hf.lilicorr"]
+    assert "dcoco_hf.network.modeling_dcoco" in graph and "dcoco_hf.training.objective" in graph
+    assert "dcoco_hf.network.corrector" in graph["dcoco_hf.network.lilicorr"]
 
 
 def test_no_import_cycle():
@@ -112,7 +112,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["dcoco_hf.modeling_dcoco", "dcoco_hf.configuration_dcoco", "dcoco_hf.block_corrector"]
+    "module", ["dcoco_hf.network.modeling_dcoco", "dcoco_hf.network.configuration_dcoco", "dcoco_hf.serving.block_corrector"]
 )
 def test_model_files_import_no_runtime_module(module):
     """The network and its configuration reach only network modules, through any chain of imports; so does the

@@ -10,8 +10,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dcoco_hf"
 LEAVES = (
-    "tap", "context_cache", "device", "configuration_dcoco", "corrector", "lilicorr", "selector", "cpu_attention", "cpu_linear",
-    "logs", "correctors",
+    "runtime.tap", "runtime.context_cache", "runtime.device", "network.configuration_dcoco", "network.corrector",
+    "network.lilicorr", "network.selector", "runtime.cpu_attention", "runtime.cpu_linear", "runtime.logs",
+    "network.correctors",
 )
 
 
@@ -68,12 +69,12 @@ def test_no_import_cycles():
 def test_leaf_modules_import_no_package_module_but_leaves():
     graph = _graph()
     for leaf in LEAVES:
-        others = {dep for dep in graph[f"dcoco_hf.{leaf}"] if dep.split(".")[-1] not in LEAVES}
+        others = {dep for dep in graph[f"dcoco_hf.{leaf}"] if dep.removeprefix("dcoco_hf.") not in LEAVES}
         assert not others, (leaf, others)
 
 
 def test_importing_the_library_loads_no_cli_or_benchmark():
     code = "import sys, dcoco_hf; print(sorted(m for m in sys.modules if m.startswith('dcoco_hf.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for name in ("dcoco_hf.cli", "dcoco_hf.cli_common", "dcoco_hf.bench", "dcoco_hf.batch_bench", "dcoco_hf.assets"):
+    for name in ("dcoco_hf.cli.main", "dcoco_hf.cli.common", "dcoco_hf.cli.bench", "dcoco_hf.cli.batch_bench", "dcoco_hf.assets"):
         assert f"'{name}'" not in loaded, name

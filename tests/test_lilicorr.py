@@ -1,4 +1,4 @@
-"""LiLiCorr corrector (dcoco_hf/lilicorr.py), its public checkpoint format, its training loss, and DScout's AWL."""
+"""LiLiCorr corrector (dcoco_hf/network/lilicorr.py), its public checkpoint format, its training loss, and DScout's AWL."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from dcoco_hf import DCOCOConfig, DCOCODrafter, speculative_generate
-from dcoco_hf.lilicorr import LiLiCorrCorrector, PairEvidence
+from dcoco_hf.network.lilicorr import LiLiCorrCorrector, PairEvidence
 from dcoco_hf.training import drafter_loss, target_context
 from dcoco_hf.training.losses import awl_slot_weights, lilicorr_loss
 
@@ -143,7 +143,7 @@ def test_untrained_head_proposes_the_drafter_argmax(lilicorr_setup):
     ids = prompts(1)
     with torch.no_grad():
         states, _ = target_context(target, fresh.config.target_layer_ids, ids)
-    from dcoco_hf.context_cache import DraftContextCache
+    from dcoco_hf.runtime.context_cache import DraftContextCache
 
     positions = torch.arange(PROMPT_LEN - 1 + fresh.config.block_size)[None]
     args = (ids[:, -1], states[:, :-1], positions)
@@ -407,7 +407,7 @@ def test_evidence_head_drafts_losslessly_and_exports_as_the_plain_head(lilicorr_
     assert torch.equal(out.sequences[:, :expected.shape[1]], expected)
     with torch.no_grad():
         states, _ = target_context(target, drafter.config.target_layer_ids, ids[:1])
-    from dcoco_hf.context_cache import DraftContextCache
+    from dcoco_hf.runtime.context_cache import DraftContextCache
 
     positions = torch.arange(PROMPT_LEN - 1 + drafter.config.block_size)[None]
     args = (ids[:1, -1], states[:, :-1], positions)

@@ -17,8 +17,8 @@ from transformers import AutoModel
 
 import dcoco_hf
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.cli_common import DEFAULT_DRAFTER_NAME
-from dcoco_hf.cpu_linear import available_layouts, use_few_rows_linear
+from dcoco_hf.cli.common import DEFAULT_DRAFTER_NAME
+from dcoco_hf.runtime.cpu_linear import available_layouts, use_few_rows_linear
 
 ROOT = Path(__file__).resolve().parents[1]
 CARD = ROOT / "model_cards" / DEFAULT_DRAFTER_NAME

@@ -1,4 +1,4 @@
-"""Per-cycle proposal length (dcoco_hf/proposal.py): the cost model, the acceptance fit, the choice, and exactness
+"""Per-cycle proposal length (dcoco_hf/runtime/proposal.py): the cost model, the acceptance fit, the choice, and exactness
 of `generate(assistant_model=drafter)` under the cost-aware schedule, with plain steps (k = 0) and full blocks."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from sampling_reference import (
 from test_sampling import SETTINGS, speculative_samples
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-import dcoco_hf.candidate_generator as candidate_generator
-import dcoco_hf.engine as engine_module
+import dcoco_hf.runtime.candidate_generator as candidate_generator
+import dcoco_hf.runtime.engine as engine_module
 from dcoco_hf import DCOCOStats
-from dcoco_hf.proposal import (
+from dcoco_hf.runtime.proposal import (
     MAX_PLAIN_RUN,
     AcceptanceModel,
     CycleCosts,

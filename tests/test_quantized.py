@@ -33,15 +33,15 @@ from test_half_precision import attach_log
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dcoco_hf import DCOCODrafter, speculative_generate
-from dcoco_hf.cli_common import quantization_config
-from dcoco_hf.cpu_attention import CPU_GQA_ATTENTION
-from dcoco_hf.cpu_linear import (
+from dcoco_hf.cli.common import quantization_config
+from dcoco_hf.runtime.cpu_attention import CPU_GQA_ATTENTION
+from dcoco_hf.runtime.cpu_linear import (
     FewRowsLinear,
     few_rows_plan,
     restore_linear,
     use_few_rows_linear,
 )
-from dcoco_hf.precision import (
+from dcoco_hf.runtime.precision import (
     describe_quantization,
     precision_notes,
     quantized_linears,
@@ -342,7 +342,7 @@ def test_cli_quantize_without_bitsandbytes_fails_before_loading(saved, monkeypat
 
 
 def test_a_quantized_mismatch_is_explained_not_reported_as_a_bug():
-    from dcoco_hf.bench import greedy_mismatch_reason
+    from dcoco_hf.cli.bench import greedy_mismatch_reason
 
     reason = greedy_mismatch_reason("float32", "4-bit nf4 bitsandbytes, compute float32")
     assert "near-tie" in reason and "drop --quantize" in reason and "report" not in reason

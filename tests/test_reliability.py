@@ -95,7 +95,7 @@ def test_sliding_window_assisted_path_equals_plain_generate(sliding, block_size)
 def test_sliding_window_with_cache_compaction(sliding, attn, monkeypatch):
     """Packing the holes out of the cache (here after every cycle) keeps sliding windows exact, with eager attention
     (additive float masks) as with sdpa (boolean masks)."""
-    import dcoco_hf.generation as generation
+    import dcoco_hf.runtime.generation as generation
 
     target, drafter = sliding
     monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
@@ -115,7 +115,7 @@ def test_unmaskable_layers_are_refused_clearly():
     them today) are named in a one-line error with the alternative, before any work."""
     from types import SimpleNamespace
 
-    from dcoco_hf.generation import _layer_windows
+    from dcoco_hf.runtime.generation import _layer_windows
 
     config = SimpleNamespace(layer_types=["full_attention", "chunked_attention"], sliding_window=None)
     with pytest.raises(ValueError, match=r"not \['chunked_attention'\].*assistant_model=drafter"):
@@ -133,7 +133,7 @@ def test_choosing_a_smaller_block_never_shrinks_the_drafter():
     from conftest import make_target
 
     from dcoco_hf import DCOCODrafter, set_block_size
-    from dcoco_hf.bench import block_size_for_call
+    from dcoco_hf.cli.bench import block_size_for_call
 
     target = make_target("llama")
     drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=8, top_k=4)
@@ -193,8 +193,8 @@ def _one_line_error(result, command: str, *needles: str) -> str:
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fails the test if a command gets as far as loading models (its checks must come first)."""
-    from dcoco_hf import cli, cli_common
-
+    from dcoco_hf.cli.main import main as cli
+    from dcoco_hf.cli.main import common as cli_common
     def refuse(*args, **kwargs):
         raise AssertionError("models were loaded before the arguments were checked")
 
@@ -235,8 +235,8 @@ def test_finished_results_are_never_lost(folders, tmp_path, monkeypatch, command
     import shutil
     import tempfile
 
-    from dcoco_hf import batch_bench, cli
-
+    from dcoco_hf.cli.main import batch_bench
+    from dcoco_hf.cli.main import main as cli
     if command == "bench-batch" and lost == "plots":
         pytest.skip("bench-batch writes no plots")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

@@ -15,7 +15,7 @@ from peft import PeftModel, get_peft_model
 from transformers import TrainingArguments
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.context_cache import DraftContextCache
+from dcoco_hf.runtime.context_cache import DraftContextCache
 from dcoco_hf.training import target_context
 from dcoco_hf.training.retarget import (
     CORRECTOR_LINEARS,

@@ -25,7 +25,7 @@ from sampling_reference import (
     total_variation,
 )
 
-import dcoco_hf.candidate_generator as candidate_generator
+import dcoco_hf.runtime.candidate_generator as candidate_generator
 from dcoco_hf import DCOCOCandidateGenerator, DCOCODrafter
 
 N_SPEC = 600  # speculative samples per setting (each is one generate() call: batch size 1 is required)

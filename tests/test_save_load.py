@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from dcoco_hf import DCOCOCandidateGenerator, DCOCOConfig, DCOCODrafter
-from dcoco_hf.context_cache import DraftContextCache
+from dcoco_hf.runtime.context_cache import DraftContextCache
 from dcoco_hf.training import target_context
 
 # A saved folder carries the network's code only; the runtime (candidate_generator.py and the rest) is the package's.

@@ -1,4 +1,4 @@
-"""The DFlash2 candidate selector (dcoco_hf/selector.py): its scores, lossless drafting, training and the public
+"""The DFlash2 candidate selector (dcoco_hf/network/selector.py): its scores, lossless drafting, training and the public
 DFlash2 export."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from conftest import PROMPT_LEN, fit_drafter, make_target
 from safetensors.torch import load_file
 
 from dcoco_hf import DCOCOConfig, DCOCODrafter, speculative_generate
-from dcoco_hf.context_cache import DraftContextCache
-from dcoco_hf.export import export_dflash2
-from dcoco_hf.selector import SelectorCorrector
+from dcoco_hf.runtime.context_cache import DraftContextCache
+from dcoco_hf.serving.export import export_dflash2
+from dcoco_hf.network.selector import SelectorCorrector
 from dcoco_hf.training import drafter_loss, target_context
 
 RANK = 4

@@ -1,4 +1,4 @@
-"""The batched loop on a static target cache (`dcoco_hf/target_cache.py`) is as exact as on the dynamic one.
+"""The batched loop on a static target cache (`dcoco_hf/runtime/target_cache.py`) is as exact as on the dynamic one.
 
 Greedy: token for token plain batched `generate()` and the dynamic-cache run (tiny Llama and Qwen3 targets, ragged
 left-padded batches, fitted and scrambled correctors), with rows ending on EOS and leaving the batch, compaction
@@ -26,10 +26,10 @@ from test_reliability import _left_padded, sliding  # noqa: F401
 from sampling_reference import exact_distribution, histogram, iid_tv_quantiles, total_variation
 from transformers import GenerationConfig
 
-import dcoco_hf.generation as generation
-import dcoco_hf.target_cache as target_cache
+import dcoco_hf.runtime.generation as generation
+import dcoco_hf.runtime.target_cache as target_cache
 from dcoco_hf import speculative_generate
-from dcoco_hf.target_cache import StaticTargetLayer
+from dcoco_hf.runtime.target_cache import StaticTargetLayer
 
 
 @pytest.fixture

@@ -17,12 +17,12 @@ from test_selector import randomise, selector_copy
 from safetensors import safe_open
 
 from dcoco_hf import CorpusBigrams
-from dcoco_hf.block_corrector import DCOCOBlockCorrector
-from dcoco_hf.context_cache import DraftContextCache
-from dcoco_hf.configuration_dcoco import DCOCOConfig
-from dcoco_hf.export import export_vllm
+from dcoco_hf.serving.block_corrector import DCOCOBlockCorrector
+from dcoco_hf.runtime.context_cache import DraftContextCache
+from dcoco_hf.network.configuration_dcoco import DCOCOConfig
+from dcoco_hf.serving.export import export_vllm
 from dcoco_hf.training import target_context
-from dcoco_hf.vllm_plugin import ARCHITECTURE
+from dcoco_hf.serving.vllm_plugin import ARCHITECTURE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,12 +137,12 @@ def test_plugin_without_vllm_names_the_fix():
     try:
         import vllm  # noqa: F401
     except ImportError:
-        from dcoco_hf.vllm_plugin import register
+        from dcoco_hf.serving.vllm_plugin import register
 
         with pytest.raises(ImportError, match="pip install vllm"):
             register()
         with pytest.raises(ImportError, match="needs vLLM"):
-            import dcoco_hf.vllm_model  # noqa: F401
+            import dcoco_hf.serving.vllm_model  # noqa: F401
     else:
         pytest.skip("vLLM is installed here; tests/test_vllm_serving.py checks the plugin")
 

@@ -32,7 +32,7 @@ def test_plugin_registers_the_dcoco_architecture():
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins
 
-    from dcoco_hf.vllm_plugin import ARCHITECTURE
+    from dcoco_hf.serving.vllm_plugin import ARCHITECTURE
 
     load_general_plugins()  # what every vLLM process does at start: our entry point registers the class
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
@@ -94,7 +94,7 @@ def dflash2_export(tmp_path_factory):
     from safetensors.torch import load_file
 
     from dcoco_hf import DCOCODrafter
-    from dcoco_hf.export import export_dflash2
+    from dcoco_hf.serving.export import export_dflash2
 
     drafter = DCOCODrafter.from_pretrained(SELECTOR).eval()
     out = export_dflash2(drafter, tmp_path_factory.mktemp("dflash2") / "export", block_size=4)

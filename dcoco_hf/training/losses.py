@@ -18,7 +18,7 @@ That joint cross-entropy is the sum of two terms, -log p(a*) - log p(b* | a*): f
 successor given it. The prefix-first walk only ever makes the second decision (its predecessor is already chosen), so
 `successor_loss` keeps that term alone (`pair_loss="successor"` in training; the paper's joint loss is the default).
 
-LiLiCorr (arXiv:2608.20530, `dcoco_hf/lilicorr.py`): `lilicorr_loss` is the public training objective's
+LiLiCorr (arXiv:2608.20530, `dcoco_hf/network/lilicorr.py`): `lilicorr_loss` is the public training objective's
 cross-entropy term: per slot, a softmax over its K candidates given the true predecessor (the anchor's start scores for
 slot 1), on the slots whose true token, and every earlier slot's, is inside the top-K (past the first miss nothing can
 be accepted, so nothing is taught there).

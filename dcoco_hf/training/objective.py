@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tap import TargetTap
+from ..runtime.tap import TargetTap
 from .losses import (
     SLOT_WEIGHTINGS,
     awl_slot_weights,

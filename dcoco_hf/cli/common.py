@@ -35,11 +35,11 @@ from .bench import (
     check_block_size,
     split_method,
 )
-from .cpu_attention import CPU_GQA_ATTENTION
-from .logs import log
-from .drafter import DCOCODrafter
+from ..runtime.cpu_attention import CPU_GQA_ATTENTION
+from ..runtime.logs import log
+from ..runtime.drafter import DCOCODrafter
 from .plots import write_plots
-from .precision import describe_quantization
+from ..runtime.precision import describe_quantization
 
 DEFAULT_DRAFTER_NAME = "dcoco-smollm2-135m"
 DEFAULT_SUITES = "humaneval,mtbench"
@@ -51,7 +51,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", CPU_GQA_ATTENTION, "flash_attention_2", "eager")
 BLOCK_SIZE_HELP = (
     "draft block size (anchor + B-1 drafted tokens), or auto: the block of highest tau per cycle time on this "
     "machine (DScout's G = tau / T: tau as recorded in the drafter's block_tau, T timed at start-up; see "
-    "dcoco_hf/block_choice.py). Default: auto when the drafter records block_tau, else its config block_size. "
+    "dcoco_hf/runtime/block_choice.py). Default: auto when the drafter records block_tau, else its config block_size. "
     "At most the largest block it was trained on (config.block_size): a shorter block "
     "drops trailing mask slots, a longer one would ask for slots it never learned"
 )
@@ -84,7 +84,7 @@ def common_options() -> argparse.ArgumentParser:
                         help="model dtype (default auto: bfloat16 on GPU, float32 on CPU)")
     common.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default=None,
                         help="attention implementation (default: sdpa_cpu_gqa on CPU, which skips transformers' "
-                        "key/value expansion in masked multi-token forwards (dcoco_hf/cpu_attention.py); on GPU "
+                        "key/value expansion in masked multi-token forwards (dcoco_hf/runtime/cpu_attention.py); on GPU "
                         "flash_attention_2 when flash_attn is installed, else sdpa)")
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
@@ -100,7 +100,7 @@ def common_options() -> argparse.ArgumentParser:
     common.add_argument("--plain-linear", action="store_true",
                         help="on CPU, keep torch's GEMM for few-row forwards of the target and drafter instead of "
                         "the fastest layout measured on this machine (W @ x^T or MKL's packed GEMM), which makes "
-                        "verify and draft forwards cheaper (dcoco_hf/cpu_linear.py); plain decoding is identical "
+                        "verify and draft forwards cheaper (dcoco_hf/runtime/cpu_linear.py); plain decoding is identical "
                         "either way")
     return common
 
@@ -451,7 +451,7 @@ def attach_drafter(
     choose_block: bool = True,
 ) -> None:
     """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, then attach it to the
-    target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/tuning.py) for every block
+    target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/runtime/tuning.py) for every block
     the run may draft. Unsuffixed drafter methods draft the --block-size given, or with auto (the default where the
     drafter records block_tau, when `choose_block`) the one of highest recorded tau per cycle timed here."""
     named = named_block_sizes(methods)

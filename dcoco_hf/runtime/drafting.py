@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from .configuration_dcoco import DCOCOConfig, DecodingChoices
+from ..network.configuration_dcoco import DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .proposal import ProposalSchedule
 from .tap import TargetTap

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .assets import eos_token_ids, left_pad, padding_id
-from .cli_common import (
+from .common import (
     CLIError,
     add_prompt_arguments,
     attach_drafter,
@@ -30,10 +30,10 @@ from .cli_common import (
     load_models,
     write_results,
 )
-from .cpu_linear import few_rows_plan
-from .generation import speculative_generate
-from .logs import log
-from .drafter import DCOCODrafter
+from ..runtime.cpu_linear import few_rows_plan
+from ..runtime.generation import speculative_generate
+from ..runtime.logs import log
+from ..runtime.drafter import DCOCODrafter
 
 BATCH_METHODS = ("vanilla", "dflash", "dcoco")
 

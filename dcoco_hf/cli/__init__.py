@@ -1,0 +1,1 @@
+"""The `dcoco-hf` command line and its benchmarks (`generate`, `bench`, `bench-batch`, `export`)."""
