@@ -22,7 +22,9 @@ from conftest import _FITTED, VOCAB, fit_drafter, make_target, scrambled
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from dcoco_hf import DCOCODrafter, cli, cli_common
+from dcoco_hf import DCOCODrafter
+from dcoco_hf.cli import common as cli_common
+from dcoco_hf.cli import main as cli
 from dcoco_hf.cli.bench import (
     METHODS,
     BenchSettings,

@@ -11,7 +11,8 @@ from conftest import make_target
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from dcoco_hf import FewRowsLinear, cpu_linear, restore_linear, use_few_rows_linear
+from dcoco_hf import FewRowsLinear, restore_linear, use_few_rows_linear
+from dcoco_hf.runtime import cpu_linear
 from dcoco_hf.runtime.cpu_linear import (
     LAYOUTS,
     available_layouts,

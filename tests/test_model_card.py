@@ -44,7 +44,7 @@ def test_folder_is_complete_and_hub_ready():
 @pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
 @pytest.mark.parametrize("name", CODE_FILES)
 def test_shipped_code_matches_the_package(card, name):
-    package = Path(dcoco_hf.__file__).parent / name
+    package = Path(dcoco_hf.__file__).parent / "network" / name
     assert (card / name).read_text() == package.read_text(), f"run scripts/sync_model_card.py {card} ({name} differs)"
 
 

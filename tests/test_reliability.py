@@ -193,8 +193,8 @@ def _one_line_error(result, command: str, *needles: str) -> str:
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fails the test if a command gets as far as loading models (its checks must come first)."""
-    from dcoco_hf.cli.main import main as cli
-    from dcoco_hf.cli.main import common as cli_common
+    from dcoco_hf.cli import main as cli
+    from dcoco_hf.cli import common as cli_common
     def refuse(*args, **kwargs):
         raise AssertionError("models were loaded before the arguments were checked")
 
@@ -235,8 +235,8 @@ def test_finished_results_are_never_lost(folders, tmp_path, monkeypatch, command
     import shutil
     import tempfile
 
-    from dcoco_hf.cli.main import batch_bench
-    from dcoco_hf.cli.main import main as cli
+    from dcoco_hf.cli import batch_bench
+    from dcoco_hf.cli import main as cli
     if command == "bench-batch" and lost == "plots":
         pytest.skip("bench-batch writes no plots")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

@@ -58,7 +58,7 @@ def test_one_statistics_type_is_filled_by_the_engines_and_the_bench():
     """The assisted engine, the batched loop and the benchmark's forward trace all book into `DCOCOStats`."""
     import inspect
 
-    from dcoco_hf.cli.main import bench
+    from dcoco_hf.cli import bench
     from dcoco_hf.runtime import candidate_generator
     from dcoco_hf.runtime import generation
     from dcoco_hf.runtime import stats

@@ -28,7 +28,7 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from .assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from ..assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from .bench import (
     DRAFTER_METHODS,
     PromptItem,
@@ -211,7 +211,7 @@ def _looks_like_path(value: str) -> bool:
 def default_drafter_path() -> Path:
     """The drafter shipped with the package: `<repo>/model_cards/dcoco-smollm2-135m` next to a source checkout, or
     `dcoco_hf/model_cards/...` inside an installed package."""
-    package_dir = Path(__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parents[1]  # dcoco_hf/
     candidates = [folder / "model_cards" / DEFAULT_DRAFTER_NAME for folder in (package_dir.parent, package_dir)]
     for folder in candidates:
         if (folder / "config.json").is_file():

@@ -82,7 +82,7 @@ class DCOCOAttention(nn.Module):
         implementation = self.config._attn_implementation
         if attention_mask is not None and implementation not in ("eager", "sdpa", "sdpa_cpu_gqa"):
             # Kernels without arbitrary masks (FlashAttention) only serve the unmasked path. "sdpa_cpu_gqa" is
-            # dcoco_hf's masked-GQA variant of sdpa (dcoco_hf/cpu_attention.py).
+            # dcoco_hf's masked-GQA variant of sdpa (dcoco_hf/runtime/cpu_attention.py).
             implementation = "sdpa"
         attn_fn = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _eager_attention)
         out, _ = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, is_causal=False)

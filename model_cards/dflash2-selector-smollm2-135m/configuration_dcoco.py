@@ -83,8 +83,8 @@ class DCOCOConfig(PreTrainedConfig):
         correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
         context_bigrams: the corrector also reads whether each candidate pair (a, b) already occurs in the
-            committed text (our extension, dcoco_hf/corrector.py; a LiLiCorr head reads it through its pair evidence,
-            dcoco_hf/lilicorr.py). Needs a corrector trained with it.
+            committed text (our extension, dcoco_hf/network/corrector.py; a LiLiCorr head reads it through its pair evidence,
+            dcoco_hf/network/lilicorr.py). Needs a corrector trained with it.
         corpus_bigrams: when set, the corrector also reads how often each candidate pair was written in the
             target's training answers; the value is the number of distinct pairs counted, whose counts are stored
             with the weights (`CorpusBigrams`, our extension; LiLiCorr: as context_bigrams). Needs a corrector
@@ -94,15 +94,15 @@ class DCOCOConfig(PreTrainedConfig):
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
             draft_vocab_size times cheaper. None: the whole vocabulary.
         corrector_type: which corrector re-selects the candidates: "dcoco" (the transition MLP, default; every config
-            written before this field loads as "dcoco"), "lilicorr" (`dcoco_hf/lilicorr.py`: one lattice transformer,
-            cosine scores) or "dflash2" (`dcoco_hf/selector.py`: DFlash2's low-rank bilinear candidate selector).
+            written before this field loads as "dcoco"), "lilicorr" (`dcoco_hf/network/lilicorr.py`: one lattice transformer,
+            cosine scores) or "dflash2" (`dcoco_hf/network/selector.py`: DFlash2's low-rank bilinear candidate selector).
             All feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
             loads as "lilicorr".
         lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
         lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
             in/out vector width, norm floor and cosine scale, named as in the public format's `dflash_config`.
         selector_rank: width r of the DFlash2 candidate selector's token codes (`corrector_type="dflash2"`,
-            `dcoco_hf/selector.py`); its candidates per slot are `top_k` (the public `selector_top_k`).
+            `dcoco_hf/network/selector.py`); its candidates per slot are `top_k` (the public `selector_top_k`).
         base_drafter: when set, this folder's model.safetensors holds only the tensors that differ from another
             drafter's (e.g. a corrector head trained on a frozen backbone), and `from_pretrained` reads the rest from
             that drafter, as PEFT adapters name their base model: a path relative to this folder, starting with ./ or
@@ -276,7 +276,7 @@ class DecodingChoices:
         geometric_lambda: decay of the geometric walk.
         block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
             model card says which). With cycle times timed on the machine at hand it picks the block size of highest
-            tau / cycle time (DScout; dcoco_hf/block_choice.py). None: not measured; the drafter drafts `block_size`.
+            tau / cycle time (DScout; dcoco_hf/runtime/block_choice.py). None: not measured; the drafter drafts `block_size`.
         use_corrector: False drafts plain DFlash argmax blocks (the bench's baseline).
         time_phases: wait for the device before reading the clock in each phase (exact GPU phase times at one sync
             per phase, which the bench asks for; on CPU times are exact anyway).

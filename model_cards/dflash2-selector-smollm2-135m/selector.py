@@ -17,7 +17,7 @@ Token ids index the codebooks through the drafter's draft vocabulary (`reads_dra
 style, `draft_vocab_size`), the codebooks hold one row per draft-vocabulary token, so a SmolLM2 selector of rank 16
 keeps 2 x 8192 x 16 numbers instead of 2 x 49152 x 16; a token outside it (an anchor the drafter could never have
 proposed) has a zero code, so its transitions add nothing to the unary logits. The public format indexes the codebooks by
-token id over the whole vocabulary; `to_public_format` expands ours with zero rows elsewhere (`dcoco_hf/export.py`).
+token id over the whole vocabulary; `to_public_format` expands ours with zero rows elsewhere (`dcoco_hf/serving/export.py`).
 
 A fresh selector has a zero successor codebook and small random predecessor codes and projection: every bilinear
 term is 0, so each score is the drafter's logit and the walk returns the drafter's argmax (the first of equal maxima
