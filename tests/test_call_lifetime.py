@@ -232,7 +232,7 @@ def test_stop_strings_on_the_default_target_stop_where_plain_generate_does(stop)
 @pytest.mark.parametrize("path", ["assisted", "batched"])
 def test_no_device_sync_in_the_hot_path_unless_timing_was_asked(fitted, path, monkeypatch):
     """On a GPU each sync stalls the pipeline: drafting and the tap wait for the device only with time_phases."""
-    import dcoco_hf.runtime.drafter as drafting
+    import dcoco_hf.runtime.drafting as drafting
     import dcoco_hf.runtime.tap as tap
 
     target, drafter = fitted

@@ -11,7 +11,7 @@ from conftest import PROMPT_LEN, VOCAB
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
-import dcoco_hf.runtime.drafter as runtime
+import dcoco_hf.runtime.candidate_generator as runtime
 from dcoco_hf.runtime import hf_compat
 class _Never(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):

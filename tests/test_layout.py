@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcoco_hf"
 LEAVES = (
     "runtime.tap", "runtime.context_cache", "runtime.device", "network.configuration_dcoco", "network.corrector",
     "network.lilicorr", "network.selector", "runtime.cpu_attention", "runtime.cpu_linear", "runtime.logs",
-    "network.correctors",
+    "network.correctors", "runtime.hf_compat",
 )
 
 

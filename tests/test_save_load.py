@@ -125,11 +125,12 @@ def test_save_pretrained_and_auto_classes(tmp_path, llama):
 
 _NETWORK_ALONE = """
 import sys, torch
+sys.modules["dcoco_hf"] = None  # as where the package is not installed: importing it fails, find_spec finds none
 from transformers import AutoModel, AutoModelForCausalLM
 folder, target_folder, inputs, out = sys.argv[1:]
 network = AutoModel.from_pretrained(folder, trust_remote_code=True)
 target = AutoModelForCausalLM.from_pretrained(target_folder)
-assert "dcoco_hf" not in sys.modules, "the folder's code imported the package"
+assert sys.modules["dcoco_hf"] is None, "the folder's code imported the package"
 try:
     network.attach(target)
 except RuntimeError as error:
@@ -147,7 +148,7 @@ torch.save({"class": type(network).__module__ + "." + type(network).__name__, "m
 
 
 def test_folder_code_alone_is_the_network(tmp_path, llama):
-    """A saved folder's own code, loaded where the package is not imported, is the network: the same forward,
+    """A saved folder's own code, loaded where the package is not installed, is the network: the same forward,
     candidates and transition scores as the package's drafter, and `attach` says the runtime is the package."""
     import subprocess
     import sys

@@ -56,6 +56,7 @@ from .common import (
     write_results,
 )
 from ..runtime.cpu_linear import few_rows_plan
+from ..runtime.hf_compat import attention_implementation
 from ..serving.export import add_export_parser
 from .plots import require_matplotlib
 from ..runtime.precision import describe_quantization
@@ -296,7 +297,7 @@ def run_config(
         ),
         "dtype": loaded.dtype_name,
         "quantization": describe_quantization(loaded.target),
-        "attn_implementation": loaded.target.config._attn_implementation,
+        "attn_implementation": attention_implementation(loaded.target),
         "cache": args.cache,
         "few_rows_linear": few_rows_plan(loaded.target),
         "threads": torch.get_num_threads(),

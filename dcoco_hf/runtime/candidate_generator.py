@@ -1,8 +1,9 @@
 """`DCOCOCandidateGenerator`: the adapter between transformers' assisted loop and the `SpeculationEngine`.
 
-`target.generate(..., assistant_model=drafter)` calls the drafter's `generate()` once per cycle (see
-`DCOCODrafter.generate`), which hands the cycle to this adapter; one adapter and its engine live exactly as long as
-one target `generate()` call, so neither transformers nor the target's class is patched. After each verification
+`target.generate(..., assistant_model=drafter)` calls the drafter's `generate()` once per cycle, a delegate to
+`assisted_cycle` here: transformers hands back whatever the drafter returns as its `cache` on the next cycle of the
+same call, so a handle returned there (`EngineHandle`) keeps one adapter and its engine alive exactly as long as one
+target `generate()` call, and neither transformers nor the target's class is patched. After each verification
 transformers reports its count of matches to its candidate generator (`update_candidate_strategy`), which the
 adapter forwards to the engine (`hf_compat.report_verifications`): acceptance is what transformers accepted.
 
@@ -23,19 +24,104 @@ import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, CandidateGenerator
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
     StoppingCriteriaList,
 )
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .engine import SpeculationEngine
-from .hf_compat import assisted_loop_cuts_at_eos, report_verifications
+from .engine import Call, SpeculationEngine, claim, keep_call_statistics
+from .hf_compat import (
+    TRANSFORMERS_VERSION,
+    assisted_driver,
+    assisted_loop_cuts_at_eos,
+    assisted_loop_scores,
+    assisted_stopping_criteria,
+    cache_kwargs,
+    output_cache,
+    proposal_length,
+    report_verifications,
+    set_proposal_length,
+)
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
+
+
+def assisted_cycle(
+    drafter: DCOCODrafter, input_ids: torch.LongTensor | None, generation_config: GenerationConfig | None,
+    keywords: dict[str, Any],
+) -> GenerateDecoderOnlyOutput:
+    """One cycle of `target.generate(..., assistant_model=drafter)`: what `DCOCODrafter.generate` returns to
+    transformers' `AssistedCandidateGenerator` (the proposal as sequences, its one-hot scores, and our handle of the
+    call as the assistant's cache, which transformers hands back on the next cycle)."""
+    if generation_config is None or not getattr(generation_config, "is_assistant", False):
+        raise TypeError(
+            "DCOCODrafter does not generate text by itself. Use "
+            "`target.generate(**inputs, assistant_model=drafter)` (after `drafter.attach(target)`), or "
+            "`dcoco_hf.speculative_generate(target, input_ids, drafter=drafter)` for batches."
+        )
+    handle = output_cache(keywords)
+    if not isinstance(handle, EngineHandle):
+        handle = start_assisted_call(drafter, generation_config)
+    max_new_tokens = keywords.get("max_new_tokens") or drafter.config.block_size - 1
+    candidate_ids, candidate_logits = handle.engine.get_candidates(
+        input_ids, max_new_tokens=max_new_tokens, scores=assisted_loop_scores()
+    )
+    return GenerateDecoderOnlyOutput(
+        sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), **cache_kwargs(handle)
+    )
+
+
+class EngineHandle(Call):
+    """What transformers' AssistedCandidateGenerator stores as our `cache` between cycles: it lives exactly as long
+    as one target `generate()` call.
+
+    It only asks a cache for its length and to crop it; the engine re-synchronises from token ids itself, so both
+    are no-ops here.
+    """
+
+    engine: DCOCOCandidateGenerator
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        return None
+
+
+def start_assisted_call(drafter: DCOCODrafter, generation_config: GenerationConfig) -> EngineHandle:
+    """The first cycle of a target `generate()` call: a new adapter and engine, living as long as the call does.
+
+    transformers drops our handle when the call returns or raises; the handle's finaliser then ends the engine,
+    so the tap stops recording the target right there. The drafter is claimed before the engine exists: a refused
+    call (another thread's, `claim`) must not touch the running call's tap.
+    """
+    criteria = assisted_stopping_criteria()
+    if criteria is None and getattr(generation_config, "stop_strings", None):
+        raise ValueError(
+            "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
+            "criteria could not be found); drop stop_strings or cut the text after generate()."
+        )
+    driver = assisted_driver()
+    if driver is None:
+        raise RuntimeError(
+            f"transformers {TRANSFORMERS_VERSION}'s assisted loop could not be found calling the drafter, so its "
+            "verifications cannot reach it. dcoco-hf supports the transformers releases in its pyproject.toml; "
+            "install one of those, or use dcoco_hf.speculative_generate(target, input_ids, drafter=drafter)."
+        )
+    handle = EngineHandle()
+    claim(drafter, handle)
+    engine = handle.engine = DCOCOCandidateGenerator(
+        drafter, generation_config, correct=drafter.decoding.use_corrector, stopping_criteria=criteria, driver=driver
+    )
+    weakref.finalize(handle, engine.end_call)
+    keep_call_statistics(drafter, engine)
+    return handle
 
 
 class TapCounters(NamedTuple):
@@ -92,7 +178,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._draft_forwards = 0  # the tap's forward count at the last draft
         # Weak: transformers' generator holds our handle (as its assistant's cache), whose finaliser holds this engine.
         self._driver = weakref.ref(driver) if driver is not None else None
-        self._driver_tokens = driver.num_assistant_tokens if driver is not None else 0
+        self._driver_tokens = proposal_length(driver) if driver is not None else 0
         if driver is not None:
             report_verifications(driver, self.update_candidate_strategy)
         self.tap.listen(self, timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
@@ -145,7 +231,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self._plain_since_draft = 0
         driver = self.driver
         if self.engine.plain_left and driver is not None:
-            driver.num_assistant_tokens = 0  # transformers then verifies no draft: a plain step
+            set_proposal_length(driver, 0)  # transformers then verifies no draft: a plain step
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
@@ -170,8 +256,8 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         if started is not None:  # the prompt's cycle is not timed: its prefill is no cycle cost
             self.engine.observe_cycle_time(0, now - started, proposed, block, len(new))
         driver = self.driver
-        if not self.engine.plain_left and driver is not None and driver.num_assistant_tokens == 0:
-            driver.num_assistant_tokens = self._driver_tokens
+        if not self.engine.plain_left and driver is not None and proposal_length(driver) == 0:
+            set_proposal_length(driver, self._driver_tokens)
 
     @property
     def driver(self) -> AssistedCandidateGenerator | None:
@@ -327,3 +413,7 @@ def one_hot_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.FloatTens
     """Logits of a point-mass proposal: 0 at the proposed token, -inf elsewhere. [B, k] -> [B, k, V]."""
     logits = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)
     return logits.scatter_(-1, tokens[..., None], 0.0)
+
+
+__all__ = ["DCOCOCandidateGenerator", "EngineHandle", "assisted_cycle", "cut_at_stop", "one_hot_logits", "start_assisted_call",
+           "tokens_before_stop"]

@@ -1,56 +1,42 @@
-"""The dcoco-hf runtime of a drafter: `DCOCODrafter`, the network (`modeling_dcoco.DCOCODraftModel`) bound to a target.
+"""The dcoco-hf runtime of a drafter: `DCOCODrafter`, the network (`network.modeling_dcoco.DCOCODraftModel`) bound
+to a target.
 
-`attach(target)` checks the pair, borrows the target's embedding and lm_head, taps its hidden states (`tap.py`) and
-tunes both for the device (`tuning.py`); `target.generate(**inputs, assistant_model=drafter)` then speculates
-losslessly through one `DCOCOCandidateGenerator` per call (`candidate_generator.py`) and its `SpeculationEngine`
-(`engine.py`), each cycle drafting a block and correcting it (`propose`). Loading and saving also live here: public DFlash folders and their draft vocabulary
-(`d2t`), public LiLiCorr folders, head-only folders naming a base drafter (`config.base_drafter`).
+Its jobs: load and save (the network's strict loading, plus the decoding choices of its generation config), attach
+(check the pair, borrow the target's embedding and lm_head, tap its hidden states, tune both for the device), and
+`propose` (one drafted and corrected block, `drafting.py`). The calls it serves are not its own:
+`target.generate(**inputs, assistant_model=drafter)` reaches the adapter (`candidate_generator.py`, through the
+`generate` delegate below), the batched loop is `generation.py`, and each call's lifetime and statistics are the
+engine's (`engine.py`).
 
-A Hub folder carries the network's code only; `import dcoco_hf` registers this class for the folder's model type, so
-`AutoModel.from_pretrained(folder, trust_remote_code=True)` builds it.
+A Hub folder carries the network's code only; its class hands loading over to this one wherever the package is
+installed (`DCOCODraftModel.from_pretrained`), so `AutoModel.from_pretrained(folder, trust_remote_code=True)` builds
+a `DCOCODrafter`.
 """
 
 from __future__ import annotations
 
-import glob
 import inspect
-import logging
 import os
-import re
 import shutil
-import threading
-import time
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.dynamic_module_utils import get_relative_import_files
-from transformers.generation.utils import GenerateDecoderOnlyOutput
-from transformers.utils import cached_file
 
-from .candidate_generator import DCOCOCandidateGenerator
 from ..network.configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
+from ..network.lilicorr import save_public
+from ..network.modeling_dcoco import DCOCODraftModel, read_tensors, resolve_base
+from .candidate_generator import assisted_cycle
 from .context_cache import DraftContextCache, StaticDraftContextCache
-from .device import device_sync
-from .drafting import DraftProposal
-from .hf_compat import (
-    TRANSFORMERS_VERSION,
-    assisted_driver,
-    assisted_loop_scores,
-    assisted_stopping_criteria,
-    cache_kwargs,
-    output_cache,
-)
-from ..network.lilicorr import is_public_folder, save_public
+from .drafting import DraftInputs, DraftProposal, Walk, block_of, draft, whole_draft
+from .engine import call_statistics
+from .hf_compat import keep_own_keys
 from .logs import log, logger
-from ..network.modeling_dcoco import DCOCODraftModel
 from .precision import precision_notes
 from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
 from .tap import TargetTap, decoder_layers
@@ -74,9 +60,7 @@ class DCOCOGenerationConfig(GenerationConfig):
         # The decoding choices: defaults, or what a config.json written before they moved here holds.
         for name, value in {**asdict(DecodingChoices()), **model_config.legacy_decoding}.items():
             setattr(generation_config, name, value)
-        # Our own keys (the decoding choices) are dropped by transformers when it loads a
-        # generation_config.json marked as derived from the model config.
-        generation_config._from_model_config = False
+        keep_own_keys(generation_config)
         return generation_config
 
 
@@ -94,9 +78,9 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         self._tap: TargetTap | None = None
         self._tuning: Tuning | None = None
         self._unhook: weakref.finalize | None = None
-        self._running: weakref.ReferenceType | None = None  # the handle of the generate() call in progress
         self._schedule: ProposalSchedule | None = None  # the cost-aware schedule's state, kept across calls
-        self._compiled_draft: Any = None  # `compile_drafting`: the compiled `_draft`, or None (eager)
+        self._compiled_draft: Any = None  # `compile_drafting`: the compiled whole draft, or None (eager)
+        self.last_call: Any = None  # what `generation_stats` reads (`engine.keep_call_statistics`)
 
     # ------------------------------------------------------------------ construction and attachment
 
@@ -253,7 +237,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             setattr(generation, name, value)
         for name, value in asdict(self.decoding).items():
             setattr(generation, name, value)
-        generation._from_model_config = False  # see DCOCOGenerationConfig: else saved keys would not load back
+        keep_own_keys(generation)  # else saved keys would not load back (DCOCOGenerationConfig)
 
     @property
     def tuning(self) -> Tuning | None:
@@ -262,8 +246,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_tap=None, _tuning=None, _unhook=None, _running=None, _last_engine=None, _schedule=None,
-                     _compiled_draft=None)
+        state.update(_tap=None, _tuning=None, _unhook=None, _schedule=None, _compiled_draft=None, last_call=None)
         return state
 
     @property
@@ -308,116 +291,14 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
                 `draft_block_size`. The cost-aware schedule drafts a block per cycle.
         """
         block_size = block_size or self.draft_block_size
-        sync = device_sync(anchor_ids.device, timed)
-        start = time.perf_counter()
-        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), self.config.mask_token_id)
-        block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)  # [B, block]
-        kept = cache.get_seq_length() + context_hidden_states.shape[1]
-        corrected = correct and (block_size > 2 or self.scores_first_slot)
+        inputs = DraftInputs(
+            block_of(anchor_ids, block_size, self.config.mask_token_id), context_hidden_states, position_ids,
+            attention_mask, cache, context_ids, context_valid,
+        )
         decoding = self.decoding
-        selection = selection or decoding.selection
-        inputs = (block_ids, context_hidden_states, position_ids, attention_mask, cache, context_ids, context_valid)
-        captured = False
-        if isinstance(cache, StaticDraftContextCache):
-            inputs, captured = self._static_layout(*inputs)
-            captured = captured and self._compiled_draft is not None
-        if captured:  # one graph: backbone, candidates and correction, timed whole (as the backbone's time)
-            candidates, candidate_logits, chosen, first_scores, scores = self._compiled_draft(
-                *inputs, selection, decoding.geometric_lambda, corrected
-            )
-            sync()
-            backbone_seconds, corrector_seconds = time.perf_counter() - start, 0.0
-        else:
-            draft = self._draft_block(*inputs[:5])
-            candidates, candidate_logits = draft[2], draft[3]
-            sync()
-            backbone_seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            chosen = first_scores = scores = None
-            if corrected:
-                chosen, first_scores, scores = self.correct_candidates(
-                    *draft, inputs[2], block_ids[:, 0], *inputs[5:], selection, decoding.geometric_lambda
-                )  # [B, S], [B, K] or None, [B, S - 1, K, K]
-            sync()
-            corrector_seconds = time.perf_counter() - start if corrected else 0.0
-        cache.truncate(kept)
-        if chosen is None:
-            chosen = torch.zeros(candidates.shape[:2], dtype=torch.long, device=candidates.device)
-        tokens = candidates.gather(-1, chosen[..., None]).squeeze(-1)  # [B, S]
-        return DraftProposal(
-            tokens, candidates, candidate_logits, chosen, scores, first_scores, backbone_seconds, corrector_seconds
-        )
-
-    def _draft_block(
-        self,
-        block_ids: torch.LongTensor,
-        context_hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None,
-        cache: DraftContextCache | StaticDraftContextCache,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.LongTensor, torch.Tensor, torch.Tensor | None]:
-        """The backbone phase of `propose`: one forward over the block, then each slot's top-K candidates ->
-        (block_hidden [B, block, H], context_states [B, N, H], candidates [B, S, K], their logits [B, S, K], their
-        log-probabilities [B, S, K] or None)."""
-        out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
-        block_hidden = out.last_hidden_state  # [B, block, H]
-        logits, column_tokens = self.proposal_logits(block_hidden[:, 1:])  # [B, S, V'] over the draft vocabulary
-        return block_hidden, out.context_states, *self.slot_candidates(logits, column_tokens)
-
-    def _draft(
-        self,
-        block_ids: torch.LongTensor,
-        context_hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor,
-        attention_mask: torch.Tensor,
-        cache: StaticDraftContextCache,
-        context_ids: torch.LongTensor | None,
-        context_valid: torch.BoolTensor | None,
-        selection: str,
-        geometric_lambda: float,
-        corrected: bool,
-    ) -> tuple[torch.LongTensor, torch.Tensor, torch.LongTensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """A whole draft, what `compile_drafting` captures: (candidates, candidate logits, chosen, first-slot scores,
-        transition scores), the last three None without correction."""
-        draft = self._draft_block(block_ids, context_hidden_states, position_ids, attention_mask, cache)
-        if not corrected:
-            return draft[2], draft[3], None, None, None
-        correction = self.correct_candidates(
-            *draft, position_ids, block_ids[:, 0], context_ids, context_valid, selection, geometric_lambda
-        )
-        return draft[2], draft[3], *correction
-
-    def _static_layout(
-        self,
-        block_ids: torch.LongTensor,
-        context_hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None,
-        cache: StaticDraftContextCache,
-        context_ids: torch.LongTensor | None,
-        context_valid: torch.BoolTensor | None,
-    ) -> tuple[tuple, bool]:
-        """`propose`'s inputs laid out for a static cache: (inputs, whether they have the block's one captured shape).
-
-        A captured draft reads a fixed number of new context rows, `config.block_size` (the most one verify commits),
-        so fewer are padded (zero states at position -2, masked; the next draft overwrites them) and the context ids
-        span the whole buffer; more (a prompt, a run of plain steps) run eagerly on the same buffers.
-        """
-        (batch, block), new_rows = block_ids.shape, context_hidden_states.shape[1]
-        padded_rows = max(new_rows, self.config.block_size)
-        pad = padded_rows - new_rows
-        visible = _visible_keys(attention_mask, batch, block, cache.length + new_rows + block, block_ids.device)
-        mask = cache.place(batch, new_rows, padded_rows, block, visible, block_ids.device)  # [B, 1, block, capacity]
-        positions = position_ids.expand(batch, -1)
-        positions = torch.cat([positions[:, :new_rows], positions.new_full((batch, pad), -2), positions[:, new_rows:]], 1)
-        context = nn.functional.pad(context_hidden_states, (0, 0, 0, pad))  # [B, padded rows, n_layers * H]
-        if context_ids is not None:
-            width = max(cache.capacity, context_ids.shape[1])
-            valid = context_valid if context_valid is not None else torch.ones_like(context_ids, dtype=torch.bool)
-            context_ids = nn.functional.pad(context_ids, (0, width - context_ids.shape[1]))
-            context_valid = nn.functional.pad(valid, (0, width - valid.shape[1]))  # padding: no pair
-        inputs = (block_ids, context, positions, mask, cache, context_ids, context_valid)
-        return inputs, padded_rows == self.config.block_size
+        corrected = correct and (block_size > 2 or self.scores_first_slot)
+        walk = Walk(selection or decoding.selection, decoding.geometric_lambda) if corrected else None
+        return draft(self, inputs, walk, timed=timed, compiled=self._compiled_draft)
 
     def compile_drafting(self, enabled: bool = True, **compile_options: Any) -> "DCOCODrafter":
         """Capture every draft (the backbone forward over the block, each slot's top-K candidates, the transition
@@ -443,16 +324,16 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             return self
         options = {"mode": "reduce-overhead"} if self.device.type == "cuda" and not compile_options else compile_options
         self.corrector.prepare_capture(self.input_embedding())  # what the graph reads but cannot build
-        compiled = torch.compile(self._draft, **options)
+        compiled = torch.compile(whole_draft, **options)
         cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
 
-        def draft(*args: Any) -> tuple:
+        def captured(walk: Walk | None, **fields: Any) -> tuple:
             if not cuda_graphs:
-                return compiled(*args)
+                return compiled(self, walk, **fields)
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph reuses its output memory
-            return tuple(None if x is None else x.clone() for x in compiled(*args))
+            return tuple(None if x is None else x.clone() for x in compiled(self, walk, **fields))
 
-        self._compiled_draft = draft
+        self._compiled_draft = captured
         return self
 
     def draft_cache(self, capacity: int) -> DraftContextCache | StaticDraftContextCache:
@@ -469,158 +350,30 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         """Whether `compile_drafting` is on."""
         return self._compiled_draft is not None
 
-    # ------------------------------------------------------------------ transformers assisted generation
+    # ------------------------------------------------------------------ the calls it serves
 
     def generate(self, input_ids: torch.LongTensor | None = None, generation_config=None, **kwargs: Any):
-        """Called by `target.generate(..., assistant_model=drafter)` once per speculation cycle.
-
-        transformers' AssistedCandidateGenerator hands back whatever we return as `cache` on the next call of the
-        same `generate()`: that is how one `DCOCOCandidateGenerator` (hooks, drafter context, statistics) lives
-        exactly as long as one target `generate()` call.
-        """
-        if generation_config is None or not getattr(generation_config, "is_assistant", False):
-            raise TypeError(
-                "DCOCODrafter does not generate text by itself. Use "
-                "`target.generate(**inputs, assistant_model=drafter)` (after `drafter.attach(target)`), or "
-                "`dcoco_hf.speculative_generate(target, drafter, ...)` for batches."
-            )
-        handle = output_cache(kwargs)
-        if not isinstance(handle, _EngineHandle):
-            handle = self._start_call(generation_config)
-        max_new_tokens = kwargs.get("max_new_tokens") or self.config.block_size - 1
-        candidate_ids, candidate_logits = handle.engine.get_candidates(
-            input_ids, max_new_tokens=max_new_tokens, scores=assisted_loop_scores()
-        )
-        return GenerateDecoderOnlyOutput(
-            sequences=candidate_ids, scores=tuple(candidate_logits.unbind(1)), **cache_kwargs(handle)
-        )
-
-    def _start_call(self, generation_config: GenerationConfig) -> "_EngineHandle":
-        """The first cycle of a target `generate()` call: a new engine, living as long as the call does.
-
-        transformers drops our handle when the call returns or raises; the handle's finaliser then ends the engine,
-        so the tap stops recording the target right there. One drafter serves one call at a time: a call from a
-        second thread while one runs would mix their target states, so it is refused.
-        """
-        criteria = assisted_stopping_criteria()
-        if criteria is None and getattr(generation_config, "stop_strings", None):
-            raise ValueError(
-                "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
-                "criteria could not be found); drop stop_strings or cut the text after generate()."
-            )
-        driver = assisted_driver()
-        if driver is None:
-            raise RuntimeError(
-                f"transformers {TRANSFORMERS_VERSION}'s assisted loop could not be found calling the drafter, so its "
-                "verifications cannot reach it. dcoco-hf supports the transformers releases in its pyproject.toml; "
-                "install one of those, or use dcoco_hf.speculative_generate(target, input_ids, drafter=drafter)."
-            )
-        handle = _EngineHandle()
-        self._claim(handle)  # before the engine exists: a refused call must not touch the running call's tap
-        correct = self.decoding.use_corrector
-        engine = handle.engine = DCOCOCandidateGenerator(
-            self, generation_config, correct=correct, stopping_criteria=criteria, driver=driver
-        )
-        weakref.finalize(handle, engine.end_call)
-        self.keep_call_statistics(engine)
-        return handle
-
-    def _claim(self, call: "_Call") -> None:
-        """Make `call` (alive exactly as long as one generate() call) this drafter's call in progress."""
-        with _CLAIM_LOCK:
-            running = self._running() if self._running is not None else None
-            if running is not None and running.thread != call.thread:
-                raise RuntimeError(
-                    "this drafter is already generating in another thread: one drafter serves one generate() call at "
-                    "a time. Give each thread its own drafter (copy.deepcopy(drafter).attach(target, tune=False)) "
-                    "and target, or serialise the calls."
-                )
-            self._running = weakref.ref(call)
-
-    @contextmanager
-    def one_call(self) -> Iterator[None]:
-        """The duration of one generate() call of our own loop (`speculative_generate`); see `_claim`."""
-        call = _Call()
-        self._claim(call)
-        try:
-            yield
-        finally:
-            if self._running is not None and self._running() is call:
-                self._running = None
-
-    def keep_call_statistics(self, call: Any) -> None:
-        """Make `call` what `generation_stats()` reads: the last generate() call's engine, or the batched loop's
-        run (each has `stats` and `close(sequences)`)."""
-        self._last_engine = call
+        """Called by `target.generate(..., assistant_model=drafter)` once per speculation cycle: the adapter's
+        (`candidate_generator.assisted_cycle`)."""
+        return assisted_cycle(self, input_ids, generation_config, kwargs)
 
     def generation_stats(self, sequences: torch.LongTensor | None = None):
-        """Statistics of the last `target.generate(..., assistant_model=self)` call.
+        """Statistics of the last `target.generate(..., assistant_model=self)` or `speculative_generate` call (one
+        `DCOCOStats`, or one per row). Pass the returned sequences to also count the final cycle (transformers stops
+        without telling the drafter)."""
+        return call_statistics(self, sequences)
 
-        Pass the returned sequences to also count the final cycle (transformers stops without telling the drafter).
-        """
-        engine = getattr(self, "_last_engine", None)
-        if engine is None:
-            raise RuntimeError(
-                "No generate() call has consulted this drafter yet (a call with fewer than 2 new tokens never drafts)."
-            )
-        if sequences is not None:
-            engine.close(sequences)
-        return engine.stats
+    # ------------------------------------------------------------------ loading and saving
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
-        """`PreTrainedModel.from_pretrained`, but a checkpoint missing backbone weights is an error, not a warning.
-
-        A missing corrector is fine: public DFlash checkpoints have none, and a fresh (zero-output) corrector
-        reproduces their argmax proposals exactly. Decoding choices given as keywords (`selection`, `geometric_lambda`,
-        `block_tau`) override the folder's generation_config.json; other keywords override config.json as usual.
-        """
+        """The network's strict loading (`DCOCODraftModel.from_pretrained`: complete, head-only, DFlash and LiLiCorr
+        folders), then the drafter's decoding choices. Decoding choices given as keywords (`selection`,
+        `geometric_lambda`, `block_tau`, ...) override the folder's generation_config.json; other keywords override
+        config.json as usual."""
         want_info = kwargs.pop("output_loading_info", False)
         decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
-        # A public LiLiCorr folder names its head `lilicorr.*` (ours: `corrector.*`); other folders have no such keys.
-        kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
-        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        hub = {name: kwargs[name] for name in _HUB_KEYWORDS if name in kwargs}
-        try:
-            # transformers would report the backbone of a head-only folder as "newly initialized"; it is read next.
-            with _quiet_loading_report(_names_base(source, kwargs.get("config"), hub)):
-                model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
-            source = str(source)
-            files = sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else []
-            raise OSError(
-                f"Cannot read the drafter weights in {', '.join(files) or source} ({error}): the file is truncated "
-                "or corrupt, e.g. by an interrupted download or save. Delete it, then download or save the checkpoint "
-                "again."
-            ) from error
-        if model.config.base_drafter is not None:  # a head-only folder: the rest comes from the drafter it names
-            info["missing_keys"] = model._fill_from_base(source, info.get("missing_keys", ()), hub)
-        if "draft_token_ids" in info.get("missing_keys", ()):  # a DFlash export's draft vocabulary comes as `d2t`
-            info["missing_keys"] = model._adopt_d2t(args[0] if args else kwargs["pretrained_model_name_or_path"], info)
-        missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith("corrector."))
-        if missing:
-            raise ValueError(
-                f"The checkpoint lacks {len(missing)} drafter weight(s), e.g. {missing[:4]}: it is not a complete "
-                "DFlash/DCOCO drafter. Re-download or re-save the folder (model.safetensors must hold fc, hidden_norm, "
-                "layers.* and norm)."
-            )
-        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _FOREIGN_KEY.match(k))
-        overridden = sorted(set(kwargs) & set(vars(model.config)))
-        if unexpected and overridden:  # the caller's config keywords turned those parts off: dropped on purpose
-            logger.warning(f"config keywords {overridden} leave {len(unexpected)} saved weight(s) unused, e.g. "
-                           f"{unexpected[:4]}")
-        elif unexpected:  # weights the config has no place for: a config.json that does not describe them
-            raise ValueError(
-                f"The checkpoint holds {len(unexpected)} weight(s) this config has no place for, e.g. "
-                f"{unexpected[:4]}: config.json does not describe these weights (e.g. corrector_type differs from the "
-                "corrector saved, or num_hidden_layers is smaller than the layers saved). Fix config.json to match the "
-                "weights, or load the folder the checkpoint was saved with."
-            )
-        mismatched = info.get("mismatched_keys") or []
-        if mismatched:
-            raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
-        if is_public_folder(model.config):
-            model._adopt_public_lilicorr(info.get("missing_keys", ()))
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if model.config.legacy_decoding:
             logger.warning(
                 f"config.json holds the decoding choices {sorted(model.config.legacy_decoding)}, which now live in "
@@ -632,42 +385,6 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             vars(model.generation_config).pop(name, None)
         model._settle_decoding(decoding)  # transformers replaced the generation config with the folder's
         return (model, info) if want_info else model
-
-    @torch.no_grad()
-    def _fill_from_base(self, source: str | os.PathLike, missing_keys: Any, hub: dict[str, Any]) -> list[str]:
-        """After loading a folder that names a `base_drafter`: read the tensors its file lacks from the base's file.
-        Returns the keys still missing (the caller's checks name them)."""
-        missing = set(missing_keys)
-        base = base_tensors(source, self.config.base_drafter, missing, **hub)
-        self.load_state_dict(base, strict=False)
-        self._draft_head = None  # the draft vocabulary may have come from the base
-        missing -= set(base)
-        head = sorted(name for name in missing if name.startswith("corrector."))
-        if head:  # neither file has them: a fresh head would score a believable but wrong function
-            raise ValueError(f"{source} and its base_drafter lack {len(head)} corrector tensor(s), e.g. {head[:4]}.")
-        return sorted(missing)
-
-    def _adopt_d2t(self, source: str | os.PathLike, info: dict) -> list[str]:
-        """After loading a DFlash folder whose config names a draft vocabulary (`dcoco_hf.serving.export`, vLLM's layout): set
-        it from the folder's `d2t` (draft column i proposes target token i + d2t[i]). Returns the keys still missing."""
-        with safe_open(cached_file(str(source), "model.safetensors"), "pt") as file:
-            if "d2t" not in set(file.keys()):  # neither our buffer nor d2t: the caller's error names what is missing
-                return list(info["missing_keys"])
-            d2t = file.get_tensor("d2t").long()
-        self.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t)
-        return [k for k in info["missing_keys"] if k != "draft_token_ids"]
-
-    def _adopt_public_lilicorr(self, missing_keys: Any) -> None:
-        """After loading a public LiLiCorr folder: its head must be complete (a partly fresh head would score a
-        believable but wrong function), and its scores are logit_scale * cos, i.e. our score gate at 1."""
-        head = sorted(k for k in missing_keys if k.startswith("corrector.") and k != "corrector.score_gate")
-        if head:
-            raise ValueError(
-                f"This LiLiCorr checkpoint lacks {len(head)} head tensor(s), e.g. {head[:4]} (named lilicorr.* in the "
-                "file): check lilicorr_hidden_size, lilicorr_num_layers and lilicorr_factor_dim in its dflash_config."
-            )
-        self.corrector.set_gate(1.0)
-        self.config.architectures = [type(self).__name__]  # from now on it is one of ours (saved as corrector.*)
 
     def save_pretrained(
         self,
@@ -693,7 +410,8 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             raise ValueError(f"format={format!r} is unknown: use 'dcoco' (ours, the default) or 'lilicorr' (public).")
         if base_drafter is not None:
             state = kwargs.pop("state_dict", None) or self.state_dict()
-            base = base_tensors(save_directory, base_drafter, state)
+            base = read_tensors(resolve_base(save_directory, base_drafter), "model.safetensors", set(state), {},
+                                named_by=(save_directory, base_drafter))
             kwargs["state_dict"] = {name: t for name, t in state.items() if not _same_tensor(t, base.get(name))}
         loaded_from, self.config.base_drafter = self.config.base_drafter, base_drafter
         try:
@@ -720,91 +438,6 @@ def save_network_code(folder: str | os.PathLike) -> list[str]:
     return [path.name for path in files]
 
 
-# Tensors a DFlash folder may carry for other engines that this drafter reads elsewhere or not at all: the draft
-# vocabulary's lm_head rows and its maps (EAGLE-3 style, `dcoco_hf.serving.export`), the target's embedding.
-_FOREIGN_KEY = re.compile(r"^(model\.)?(d2t|t2d|lm_head\.weight|embed_tokens\.weight)$")
-
-_CLAIM_LOCK = threading.Lock()
-
-
-class _Call:
-    """Alive exactly as long as one generate() call, in the thread that runs it."""
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-
-
-class _EngineHandle(_Call):
-    """What transformers' AssistedCandidateGenerator stores as our `cache` between cycles: it lives exactly as long
-    as one target `generate()` call.
-
-    It only asks a cache for its length and to crop it; the engine re-synchronises from token ids itself, so both
-    are no-ops here.
-    """
-
-    engine: DCOCOCandidateGenerator
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def crop(self, max_length: int) -> None:
-        return None
-
-
-# from_pretrained keywords that say where and how to fetch files, passed on when fetching the base drafter.
-_HUB_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
-
-
-def _names_base(source: Any, config: Any, hub: dict[str, Any]) -> bool:
-    """Whether the folder `source` (or the `config` passed with it) names a base drafter."""
-    if config is not None or source is None:
-        return getattr(config, "base_drafter", None) is not None
-    try:
-        return DCOCOConfig.get_config_dict(source, **hub)[0].get("base_drafter") is not None
-    except OSError:  # no config to read: from_pretrained itself says what is wrong with the source
-        return False
-
-
-def _not_a_load_report(record: logging.LogRecord) -> bool:
-    return "LOAD REPORT" not in record.getMessage()
-
-
-@contextmanager
-def _quiet_loading_report(quiet: bool) -> Iterator[None]:
-    """Drop transformers' per-key loading report (one warning, logged by modeling_utils) while `quiet`."""
-    report = logging.getLogger("transformers.modeling_utils")
-    if quiet:
-        report.addFilter(_not_a_load_report)
-    try:
-        yield
-    finally:
-        report.removeFilter(_not_a_load_report)  # a no-op when it was not added
-
-
-def resolve_base(source: str | os.PathLike, base: str) -> str:
-    """Where the base drafter named by the folder `source` (`config.base_drafter`) lives. A `base` starting with ./ or
-    ../ is relative to `source`: a local folder, or for a Hub id `source` the repository it names ("../dcoco" from
-    "org/lilicorr" is "org/dcoco"). Any other `base` is an absolute path or a Hub id as it stands."""
-    if base.startswith(("./", "../")):
-        return os.path.normpath(os.path.join(source, base))
-    return base
-
-
-def base_tensors(source: str | os.PathLike, base: str, names: Any, **hub: Any) -> dict[str, torch.Tensor]:
-    """The tensors among `names` in the model.safetensors of the base drafter `base` named by the folder `source`."""
-    where = resolve_base(source, base)
-    try:
-        path = cached_file(where, "model.safetensors", **hub)
-    except OSError as error:
-        raise OSError(
-            f"{source} names base_drafter={base!r} for the weights its model.safetensors does not hold (the backbone), "
-            f"but no drafter was found at {where} ({error}). Put the base drafter's folder at that path, or set "
-            f"base_drafter in {source}'s config.json to its folder or Hub id."
-        ) from error
-    with safe_open(path, "pt") as file:
-        return {name: file.get_tensor(name) for name in set(file.keys()) & set(names)}
-
-
 def _same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
     return other is not None and tensor.shape == other.shape and tensor.dtype == other.dtype and torch.equal(
         tensor.detach().cpu(), other)
@@ -817,19 +450,6 @@ def _copy_matching(source: nn.Module, destination: nn.Module) -> None:
     for name, param in destination.named_parameters():
         if name in theirs and theirs[name].shape == param.shape:
             param.copy_(theirs[name])
-
-
-def _visible_keys(
-    mask: torch.Tensor | None, batch: int, block: int, keys: int, device: torch.device
-) -> torch.BoolTensor:
-    """`propose`'s attention mask (None, a key mask [B, keys], or a full mask [B, 1, block, keys]: 1 / True or an
-    additive 0 where visible) -> which keys each block row sees, [B, block, keys]."""
-    if mask is None:
-        return torch.ones(batch, block, keys, dtype=torch.bool, device=device)
-    if mask.is_floating_point():
-        mask = mask > torch.finfo(mask.dtype).min / 2  # additive: 0 visible, a large negative (or -inf) masked
-    mask = mask.bool()
-    return mask[:, None, :].expand(-1, block, -1) if mask.dim() == 2 else mask[:, 0]
 
 
 def spread_layer_ids(depth: int, count: int) -> list[int]:
@@ -887,6 +507,5 @@ def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
         )
 
 
-
-
-__all__ = ["DCOCODrafter", "DCOCOGenerationConfig", "check_compatible", "network_code_files", "save_network_code", "spread_layer_ids"]
+__all__ = ["DCOCODrafter", "DCOCOGenerationConfig", "check_compatible", "network_code_files", "save_network_code",
+           "spread_layer_ids"]

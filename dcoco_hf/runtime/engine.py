@@ -10,13 +10,19 @@ committed (`verified`): on the assisted path that is transformers' own count of 
 The engine owns what lives exactly one call: the drafter's context cache, the cost-aware schedule's running state
 (each row's recent acceptance, the planned plain run, the drafted blocks whose slots the committed text has not
 settled yet) and every row's statistics. How a cycle's block and proposal length are chosen is `proposal.py`'s
-(DScout's per-machine block, planned per cycle).
+(DScout's per-machine block, planned per cycle). The call's lifetime is here too: one call at a time per drafter
+(`claim`, `one_call`), and the last call's statistics (`keep_call_statistics`, `call_statistics`), kept beside the
+drafter rather than in it.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -256,4 +262,77 @@ class SpeculationEngine:
         self._waiting[row] = waiting
 
 
-__all__ = ["SpeculationEngine"]
+# ------------------------------------------------------------------------------------------------ the call's lifetime
+
+
+class Call:
+    """Alive exactly as long as one generate() call, in the thread that runs it."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+
+class CallStatistics(Protocol):
+    """What `call_statistics` reads of a finished call: the assisted loop's adapter, or the batched loop's run."""
+
+    stats: Any
+
+    def close(self, sequences: torch.LongTensor) -> None: ...
+
+
+_CLAIM_LOCK = threading.Lock()
+# Beside each drafter, held weakly both ways: its call in progress (a weak reference to the call's `Call`). A drafter
+# copy starts with none.
+_RUNNING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def claim(drafter: object, call: Call) -> None:
+    """Make `call` (alive exactly as long as one generate() call) the drafter's call in progress. One drafter serves
+    one call at a time: a call from a second thread while one runs would mix their target states, so it is
+    refused."""
+    with _CLAIM_LOCK:
+        running = _RUNNING.get(drafter)
+        running = running() if running is not None else None
+        if running is not None and running.thread != call.thread:
+            raise RuntimeError(
+                "this drafter is already generating in another thread: one drafter serves one generate() call at "
+                "a time. Give each thread its own drafter (copy.deepcopy(drafter).attach(target, tune=False)) "
+                "and target, or serialise the calls."
+            )
+        _RUNNING[drafter] = weakref.ref(call)
+
+
+@contextmanager
+def one_call(drafter: object) -> Iterator[None]:
+    """The duration of one generate() call of our own loop (`speculative_generate`); see `claim`."""
+    call = Call()
+    claim(drafter, call)
+    try:
+        yield
+    finally:
+        with _CLAIM_LOCK:
+            running = _RUNNING.get(drafter)
+            if running is not None and running() is call:
+                del _RUNNING[drafter]
+
+
+def keep_call_statistics(drafter: AttachedDrafter, call: CallStatistics) -> None:
+    """Make `call` what `call_statistics(drafter)` reads: the drafter's last generate() call. The drafter holds it
+    (`last_call`), as a result rather than state: the call itself is over, and the statistics go with the drafter."""
+    drafter.last_call = call
+
+
+def call_statistics(drafter: AttachedDrafter, sequences: torch.LongTensor | None = None) -> Any:
+    """The statistics of the drafter's last generate() call (`DCOCODrafter.generation_stats`); `sequences`, what the
+    call returned, also counts its final cycle (transformers stops without telling the drafter)."""
+    call = drafter.last_call
+    if call is None:
+        raise RuntimeError(
+            "No generate() call has consulted this drafter yet (a call with fewer than 2 new tokens never drafts)."
+        )
+    if sequences is not None:
+        call.close(sequences)
+    return call.stats
+
+
+__all__ = ["Call", "SpeculationEngine", "call_statistics", "claim", "keep_call_statistics", "one_call"]

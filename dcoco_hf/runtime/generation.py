@@ -76,8 +76,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
 from .context_cache import DraftContextCache
-from .engine import SpeculationEngine
-from .hf_compat import cache_kwargs, output_cache
+from .engine import SpeculationEngine, keep_call_statistics, one_call
+from .hf_compat import cache_kwargs, output_cache, special_token_tensors
 from .stats import DCOCOStats
 from .target_cache import static_capacity, static_target_cache
 
@@ -198,7 +198,7 @@ def speculative_generate(
         target, drafter, input_ids, kwargs.get("attention_mask"), logits_processor, stopping_criteria,
         generation_config, correct, selection, output_cache(kwargs),
     )
-    drafter.keep_call_statistics(_BatchedRun(stats, sequences))
+    keep_call_statistics(drafter, _BatchedRun(stats, sequences))
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
@@ -216,7 +216,7 @@ def _speculative_loop(
     _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
     _check_left_padded(attention_mask)
     tap = drafter.tap
-    with drafter.one_call():  # refuses a second thread's call while this one runs
+    with one_call(drafter):  # refuses a second thread's call while this one runs
         tap.listen(timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
         try:
             return _loop(target, drafter, input_ids, attention_mask, logits_processor, config, correct, selection, tap)
@@ -228,8 +228,8 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     device, (batch, prompt_len) = input_ids.device, input_ids.shape
     slots = drafter.config.block_size - 1
     max_new = config.max_length - prompt_len
-    eos = config._eos_token_tensor  # None or [n_eos]
-    pad = config._pad_token_tensor if config._pad_token_tensor is not None else torch.tensor(0, device=device)
+    eos, pad = special_token_tensors(config)  # None or [n_eos], None or []
+    pad = pad if pad is not None else torch.tensor(0, device=device)
     picker = _TokenPicker(logits_processor, config.do_sample)
     # The drafter's context holds the target's columns less the newest, then a captured draft's padded rows.
     context_length = static_capacity(prompt_len + max_new + slots, slots + 1) + drafter.config.block_size

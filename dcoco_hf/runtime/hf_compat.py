@@ -9,11 +9,20 @@ tested), the one place that asks which release is installed, so the rest of the 
 * 5.24 lets assisted generation run on a static cache (`cache_implementation="static"`, a `StaticCache`); older
   releases refuse it in `_assisted_decoding`.
 
-It is also the one place that reads transformers' internals: the assisted loop's stopping criteria, its scores and
-the `AssistedCandidateGenerator` driving the drafter, which no candidate generator is handed, read off the call
-stack (`assisted_stopping_criteria`, `assisted_loop_scores`, `assisted_driver`), and the verifications it reports
-to that generator only (`report_verifications`). tests/test_hf_compat.py checks each against the installed release;
-CI runs it on the oldest and the newest supported one.
+It is also the one place in the runtime that reads or writes transformers' internals (checked on 5.17 and 5.25, the
+ends of the supported range; tests/test_hf_compat.py checks each against the installed release and lists every private
+name the package touches, so a new one cannot slip in elsewhere):
+
+* the assisted loop's stopping criteria, its scores and the `AssistedCandidateGenerator` driving the drafter, which no
+  candidate generator is handed, read off the call stack (`assisted_stopping_criteria`, `assisted_loop_scores`,
+  `assisted_driver`); the verifications it reports to that generator only (`report_verifications`); its proposal
+  length, set to 0 for a plain step (`set_proposal_length`);
+* a model's attention implementation, which transformers 5.x stores as `config._attn_implementation` with a public
+  setter only (`attention_implementation`); the network a Hub folder carries reads it as every transformers modeling
+  file does, since it cannot import the runtime;
+* the special-token tensors `generate()` prepares on its generation config (`special_token_tensors`);
+* the flag that keeps transformers from dropping our own generation-config keys on load (`keep_own_keys`);
+* the cache keyword of a model forward seen by a hook (`forward_cache`).
 """
 
 from __future__ import annotations
@@ -53,6 +62,31 @@ def output_cache(output: Any) -> Any:
     if isinstance(output, dict):
         return output.get(CACHE_KEY)
     return getattr(output, CACHE_KEY, None)
+
+
+def forward_cache(keywords: dict[str, Any]) -> Any:
+    """The key-value cache among a model forward's keywords (a forward pre-hook's view), or None: 5.24+ callers may
+    pass either keyword (the old one is deprecated, not gone), older ones `past_key_values`."""
+    return keywords.get("cache", keywords.get("past_key_values"))
+
+
+def attention_implementation(model: Any) -> str:
+    """The attention implementation a model (or its config) runs: transformers 5.x keeps it as
+    `config._attn_implementation`, set through the public `set_attn_implementation`."""
+    config = getattr(model, "config", model)
+    return config._attn_implementation
+
+
+def special_token_tensors(config: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(EOS ids [n] or None, pad id or None) as tensors, which `generate()` prepares on the generation config it
+    hands a `custom_generate` (5.17-5.25: `_prepare_special_tokens` sets `_eos_token_tensor`, `_pad_token_tensor`)."""
+    return config._eos_token_tensor, config._pad_token_tensor
+
+
+def keep_own_keys(generation_config: Any) -> None:
+    """Mark a generation config as our own, not derived from the model config: transformers drops the keys it does
+    not know (our decoding choices) when it loads a generation_config.json marked derived (`_from_model_config`)."""
+    generation_config._from_model_config = False
 
 
 def assisted_loop_cuts_at_eos() -> bool:
@@ -126,6 +160,17 @@ def assisted_driver(max_depth: int = 8) -> AssistedCandidateGenerator | None:
     return _up_the_stack(sys._getframe(1), max_depth, driver)
 
 
+def proposal_length(driver: AssistedCandidateGenerator) -> int:
+    """How many tokens the assisted loop's generator asks the drafter for next (`num_assistant_tokens`)."""
+    return driver.num_assistant_tokens
+
+
+def set_proposal_length(driver: AssistedCandidateGenerator, tokens: int) -> None:
+    """Make the assisted loop's generator ask for `tokens` next; 0 makes the loop take a plain step without asking
+    (`assisted_driver`)."""
+    driver.num_assistant_tokens = tokens
+
+
 def report_verifications(driver: AssistedCandidateGenerator, receiver: Callable[..., None]) -> None:
     """Have the assisted loop's candidate generator (`driver`) pass each verification on to `receiver` too.
 
@@ -161,8 +206,8 @@ def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[Frame
 
 
 __all__ = [
-    "ASSISTED_EOS_CUT", "ASSISTED_STATIC_CACHE", "CACHE_KEY", "TRANSFORMERS_VERSION", "assisted_loop_cuts_at_eos",
-    "assisted_static_cache", "cache_kwargs",
-    "assisted_driver", "assisted_loop_scores", "assisted_stopping_criteria", "output_cache", "report_verifications",
-    "require_assisted_static_cache",
+    "ASSISTED_EOS_CUT", "ASSISTED_STATIC_CACHE", "CACHE_KEY", "TRANSFORMERS_VERSION", "assisted_driver",
+    "assisted_loop_cuts_at_eos", "assisted_loop_scores", "assisted_static_cache", "assisted_stopping_criteria",
+    "attention_implementation", "cache_kwargs", "forward_cache", "keep_own_keys", "output_cache", "proposal_length",
+    "report_verifications", "require_assisted_static_cache", "set_proposal_length", "special_token_tensors",
 ]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .device import device_sync
+from .hf_compat import forward_cache
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -50,7 +51,7 @@ def forward_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor | 
     """
     ids = kwargs.get("input_ids", args[0] if args else None)
     width = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = forward_cache(kwargs)
     return ids, width, cache.get_seq_length() if cache is not None else 0
 
 

@@ -48,6 +48,7 @@ from .cpu_linear import (
     restore_linear,
     use_few_rows_linear,
 )
+from .hf_compat import attention_implementation
 from .logs import logger
 from .proposal import COST_SCHEDULE, CycleCosts
 
@@ -154,12 +155,12 @@ def tune(
     max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
 
-    if on_cpu and gqa_attention and target.config._attn_implementation == "sdpa":
+    if on_cpu and gqa_attention and attention_implementation(target) == "sdpa":
         for model in (target, drafter):
-            if model.config._attn_implementation == "sdpa":
+            if attention_implementation(model) == "sdpa":
                 model.set_attn_implementation(CPU_GQA_ATTENTION)
         tuning.attention = ("sdpa", CPU_GQA_ATTENTION)
-    attention = target.config._attn_implementation
+    attention = attention_implementation(target)
     key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
     layouts = on_cpu and few_rows_linear
@@ -198,7 +199,7 @@ def untune(target: PreTrainedModel, drafter: DCOCODrafter | None, tuning: Tuning
         restore_linear(drafter)
     if tuning.attention is not None:
         for model in (target, drafter):
-            if model is not None and model.config._attn_implementation == tuning.attention[1]:
+            if model is not None and attention_implementation(model) == tuning.attention[1]:
                 model.set_attn_implementation(tuning.attention[0])
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from ..network.configuration_dcoco import DCOCOConfig
 from ..network.corrector import CorpusBigrams
 from ..network.correctors import corrector_class
-from ..network.modeling_dcoco import DCOCODraftModel
+from ..network.modeling_dcoco import DCOCODraftModel, SlotCandidates
 
 
 class DCOCOBlockCorrector(nn.Module):
@@ -73,11 +73,12 @@ class DCOCOBlockCorrector(nn.Module):
             return candidates[..., 0]
         context_ids = anchor_ids[:, None] if context_ids is None else context_ids  # one token: no pair
         # No context states or positions: they only locate LiLiCorr's anchor row, which check_servable refuses.
-        chosen, _, _ = self.correct_candidates(
-            block_hidden, None, candidates, candidate_logits, log_probs, None, anchor_ids, context_ids, None,
-            self.selection, self.geometric_lambda,
+        drafted = SlotCandidates(block_hidden, None, candidates, candidate_logits, log_probs)
+        correction = self.correct_candidates(
+            drafted, anchor_ids, context_ids=context_ids, selection=self.selection,
+            geometric_lambda=self.geometric_lambda,
         )
-        return candidates.gather(-1, chosen[..., None]).squeeze(-1)
+        return candidates.gather(-1, correction.chosen[..., None]).squeeze(-1)
 
 
 def check_servable(config: DCOCOConfig) -> None:

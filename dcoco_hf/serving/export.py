@@ -104,7 +104,7 @@ def export_dflash(
     if draft_vocab:
         tensors.update(draft_vocab_tensors(drafter, dtype))
         config["draft_vocab_size"] = int(drafter.draft_token_ids.numel())
-    elif drafter._target_ref is not None and drafter._target_ref() is not None:
+    elif drafter.bound_target is not None:
         check_compatible(drafter.config, drafter.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -146,12 +146,12 @@ def draft_vocab_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None)
     if ids is None:
         raise ValueError("draft_vocab=True, but this drafter proposes from the whole vocabulary (no draft vocabulary): "
                          "export without it, or set one first with drafter.set_draft_vocabulary(token_ids).")
-    if drafter._target_ref is None or drafter._target_ref() is None:
+    if drafter.bound_target is None:
         raise ValueError("Writing a draft vocabulary needs the target: engines read its lm_head rows from the export. "
                          "Attach the drafter to its target first (`drafter.attach(target)`, CLI: --target), or export "
                          "the full vocabulary.")
     check_compatible(drafter.config, drafter.target)
-    weight, bias = drafter._draft_lm_head()
+    weight, bias = drafter.draft_lm_head()
     if bias is not None:
         raise ValueError("The target's lm_head has a bias, which the DFlash format cannot carry; export the full "
                          "vocabulary instead.")
@@ -261,7 +261,7 @@ def export_vllm(
     config = dflash_config(drafter, block_size, dtype)
     config["architectures"] = [VLLM_ARCHITECTURE]
     config["dcoco_config"] = {"model": dcoco_fields(drafter.config), "decoding": decoding_fields(drafter)}
-    if drafter._target_ref is not None and drafter._target_ref() is not None:
+    if drafter.bound_target is not None:
         check_compatible(drafter.config, drafter.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -296,7 +296,7 @@ def export_dflash2(
     config = dflash_config(drafter, block_size, dtype)
     config["architectures"] = [DFLASH2_ARCHITECTURE]
     config["dflash_config"].update(dflash2_fields(drafter.config))
-    if drafter._target_ref is not None and drafter._target_ref() is not None:
+    if drafter.bound_target is not None:
         check_compatible(drafter.config, drafter.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -7,22 +7,31 @@ target's own lm_head. DCOCO (arXiv:2610.12570) keeps each slot's top-K candidate
 scores between adjacent slots; LiLiCorr links them with cosine scores (`corrector.py`, `lilicorr.py`, one `Corrector`
 interface, chosen by `config.corrector_type` through `correctors.py`).
 
-This file is the network only, and the network is what a Hub folder carries: the runtime (`attach`, the target tap,
-`generate(assistant_model=...)`, tuning, loading checks) is the dcoco-hf package's `DCOCODrafter` (`drafter.py`),
-a subclass of `DCOCODraftModel`. The drafter borrows the target's embedding and lm_head (frozen, never saved) once
-bound to it (`bind_target`). Weight names follow the public DFlash checkpoints (`fc`, `hidden_norm`, `layers.{i}...`,
-`norm`).
+This file is the network only, and the network is what a Hub folder carries, with the loading of the folders it
+comes in (complete, head-only naming a `base_drafter`, public DFlash exports with `d2t`, public LiLiCorr). The runtime
+(`attach`, the target tap, `generate(assistant_model=...)`, tuning) is the dcoco-hf package's `DCOCODrafter`, a
+subclass of `DCOCODraftModel`: a folder's own copy of this class hands its loading over to it wherever the package is
+installed, imported or not (`installed_runtime`). The drafter borrows the target's embedding and lm_head (frozen,
+never saved) once bound to it (`bind_target`). Weight names follow the public DFlash checkpoints (`fc`,
+`hidden_norm`, `layers.{i}...`, `norm`).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+import re
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import cached_file
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -36,6 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from .configuration_dcoco import DCOCOConfig
 from .corrector import ContextBigrams, CorpusBigrams, Corrector, select_candidates
 from .correctors import corrector_class
+from .lilicorr import is_public_folder
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
@@ -137,6 +147,25 @@ class DraftOutput(BaseModelOutputWithPast):
     context_states: torch.Tensor | None = None
 
 
+@dataclass
+class SlotCandidates:
+    """One draft forward's blocks and each slot's top-K candidates (`DCOCODraftModel.draft_candidates`)."""
+
+    block_hidden: torch.Tensor  # [B, block, H] the drafter output: anchor row, then the slots
+    context_states: torch.Tensor | None  # [B, N, H] the new context rows as every layer read them (DraftOutput)
+    candidates: torch.LongTensor  # [B, S, K] token ids, best first
+    logits: torch.Tensor  # [B, S, K] their drafter logits
+    log_probs: torch.Tensor | None  # [B, S, K] under each slot's softmax, when the corrector reads them
+
+
+@dataclass
+class Correction:
+    """The corrector's reading of one draft's candidates (`DCOCODraftModel.correct_candidates`)."""
+
+    chosen: torch.LongTensor  # [B, S] the walk's candidate index per slot
+    first_slot_scores: torch.Tensor | None  # [B, K] anchor -> slot 1 scores, when the corrector scores them
+    transition_scores: torch.Tensor  # [B, S - 1, K, K]; [b, p, a, c] scores candidate c at slot p + 1 after a
+
 
 class DCOCOPreTrainedModel(PreTrainedModel):
     config_class = DCOCOConfig
@@ -189,14 +218,18 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         self.register_buffer("draft_token_ids", torch.zeros(size, dtype=torch.long) if size else None)
         self._target_ref: weakref.ReferenceType | None = None
         self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        if config.base_drafter is not None:
+            # The folder holds only what differs from its base: `from_pretrained` reads the rest from the base and
+            # checks what neither holds, so the loader's own report of missing keys would only mislead.
+            self._keys_to_ignore_on_load_missing = [r".*"]
         self.post_init()
 
     def attach(self, target: PreTrainedModel, **options: Any) -> Any:
         raise RuntimeError(
-            f"{type(self).__name__} is the drafter network alone (the folder's own code, loaded without the dcoco-hf "
-            "package); attach() and speculative generate() are the package's. `pip install dcoco-hf`, then `import "
-            "dcoco_hf` before from_pretrained (AutoModel then builds dcoco_hf.DCOCODrafter), or load with "
-            "dcoco_hf.DCOCODrafter.from_pretrained(folder)."
+            f"{type(self).__name__} is the drafter network alone (a folder's own code, loaded where the dcoco-hf "
+            "package is not installed); attach() and speculative generate() are the package's. `pip install "
+            "dcoco-hf`, then load the folder again: AutoModel.from_pretrained(folder, trust_remote_code=True) then "
+            "returns a drafter that attaches."
         )
 
     def bind_target(self, target: PreTrainedModel | None) -> None:
@@ -206,8 +239,13 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         self._draft_head = None
 
     @property
+    def bound_target(self) -> PreTrainedModel | None:
+        """The target whose embedding and lm_head the network borrows, or None while unbound."""
+        return self._target_ref() if self._target_ref is not None else None
+
+    @property
     def target(self) -> PreTrainedModel:
-        target = self._target_ref() if self._target_ref is not None else None
+        target = self.bound_target
         if target is None:
             raise RuntimeError(
                 "This DCOCODrafter is not attached to a target model. Call `drafter.attach(target)` once "
@@ -220,11 +258,110 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         return {**super().__getstate__(), "_target_ref": None, "_draft_head": None}
 
     def get_input_embeddings(self) -> nn.Module | None:
-        target = self._target_ref() if self._target_ref is not None else None
+        target = self.bound_target
         return target.get_input_embeddings() if target is not None else None
 
     def get_output_embeddings(self) -> nn.Module | None:
         return None  # the lm_head is the target's; it is neither tied nor saved here
+
+    # ------------------------------------------------------------------ loading a folder
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any) -> Any:
+        """`PreTrainedModel.from_pretrained`, strict: the network loads complete or not at all.
+
+        A folder's own copy of this class hands the loading over to the installed dcoco-hf package's `DCOCODrafter`
+        (the network plus the runtime), so `AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target)`
+        works without importing the package first. Otherwise: a folder naming a `base_drafter` takes every tensor
+        its file lacks from the base's file; a DFlash export's draft vocabulary comes from its `d2t`; a public
+        LiLiCorr folder (`lilicorr.*` weights) loads as ours. A missing backbone or head tensor, a weight the config
+        has no place for, a shape that differs or an unreadable file is an error naming what and where: a fresh
+        tensor would draft a believable but wrong function. Only a missing corrector is fine: public DFlash
+        checkpoints have none, and a fresh (zero-output) corrector proposes their argmax blocks exactly.
+        """
+        runtime = installed_runtime(cls)
+        if runtime is not None:
+            config = kwargs.pop("config", None)
+            if config is not None and not isinstance(config, runtime.config_class):  # the folder's own config class
+                config = runtime.config_class.from_dict({**config.to_dict(), **getattr(config, "legacy_decoding", {})})
+            return runtime.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        source = pretrained_model_name_or_path
+        want_info = kwargs.pop("output_loading_info", False)
+        # A public LiLiCorr folder names its head `lilicorr.*` (ours: `corrector.*`); other folders have no such keys.
+        kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
+        hub = {name: kwargs[name] for name in HUB_KEYWORDS if name in kwargs}
+        try:
+            model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
+        except SafetensorError as error:  # safetensors' own message names neither the file nor the fix
+            raise unreadable_weights(source, error) from error
+        missing = set(info.get("missing_keys", ()))
+        if model.config.base_drafter is not None:  # a head-only folder: the rest comes from the drafter it names
+            missing = model._fill_from_base(source, hub)
+        if "draft_token_ids" in missing:  # a DFlash export's draft vocabulary comes as `d2t`
+            missing = model._adopt_d2t(source, missing, hub)
+        if is_public_folder(model.config):
+            model._adopt_public_lilicorr(missing)
+        model._check_loaded(missing, info, overridden=sorted(set(kwargs) & set(vars(model.config))))
+        info["missing_keys"] = missing
+        return (model, info) if want_info else model
+
+    def _check_loaded(self, missing: set[str], info: dict[str, Any], overridden: list[str]) -> None:
+        """Raise a ValueError for what `from_pretrained` must not hand over half-loaded (see there)."""
+        backbone = sorted(k for k in missing if not k.startswith("corrector."))
+        if backbone:
+            raise ValueError(
+                f"The checkpoint lacks {len(backbone)} drafter weight(s), e.g. {backbone[:4]}: it is not a complete "
+                "DFlash/DCOCO drafter. Re-download or re-save the folder (model.safetensors must hold fc, hidden_norm, "
+                "layers.* and norm)."
+            )
+        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _FOREIGN_KEY.match(k))
+        if unexpected and not overridden:  # weights the config has no place for: a config.json that misdescribes them
+            raise ValueError(
+                f"The checkpoint holds {len(unexpected)} weight(s) this config has no place for, e.g. "
+                f"{unexpected[:4]}: config.json does not describe these weights (e.g. corrector_type differs from the "
+                "corrector saved, or num_hidden_layers is smaller than the layers saved). Fix config.json to match the "
+                "weights, or load the folder the checkpoint was saved with."
+            )
+        mismatched = info.get("mismatched_keys") or []
+        if mismatched:
+            raise ValueError(f"Checkpoint tensors do not match the config's shapes: {list(mismatched)[:4]}.")
+
+    @torch.no_grad()
+    def _fill_from_base(self, source: str | os.PathLike, hub: dict[str, Any]) -> set[str]:
+        """After loading a folder that names a `base_drafter`: read every tensor its file lacks from the base's file.
+        Returns the keys neither holds."""
+        own = set(read_tensors(source, "model.safetensors", None, hub, keys_only=True))
+        wanted = set(self.state_dict()) - own
+        where = resolve_base(source, self.config.base_drafter)
+        base = read_tensors(where, "model.safetensors", wanted, hub, named_by=(source, self.config.base_drafter))
+        self.load_state_dict(base, strict=False)
+        self._draft_head = None  # the draft vocabulary may have come from the base
+        missing = wanted - set(base)
+        head = sorted(name for name in missing if name.startswith("corrector."))
+        if head:  # neither file has them: a fresh head would score a believable but wrong function
+            raise ValueError(f"{source} and its base_drafter lack {len(head)} corrector tensor(s), e.g. {head[:4]}.")
+        return missing
+
+    def _adopt_d2t(self, source: str | os.PathLike, missing: set[str], hub: dict[str, Any]) -> set[str]:
+        """After loading a DFlash folder whose config names a draft vocabulary (`dcoco-hf export`, vLLM's layout): set
+        it from the folder's `d2t` (draft column i proposes target token i + d2t[i]). Returns the keys still missing."""
+        d2t = read_tensors(source, "model.safetensors", {"d2t"}, hub).get("d2t")
+        if d2t is None:  # neither our buffer nor d2t: the caller's error names what is missing
+            return missing
+        self.set_draft_vocabulary(torch.arange(d2t.numel()) + d2t.long())
+        return missing - {"draft_token_ids"}
+
+    def _adopt_public_lilicorr(self, missing: set[str]) -> None:
+        """After loading a public LiLiCorr folder: its head must be complete (a partly fresh head would score a
+        believable but wrong function), and its scores are logit_scale * cos, i.e. our score gate at 1."""
+        head = sorted(k for k in missing if k.startswith("corrector.") and k != "corrector.score_gate")
+        if head:
+            raise ValueError(
+                f"This LiLiCorr checkpoint lacks {len(head)} head tensor(s), e.g. {head[:4]} (named lilicorr.* in the "
+                "file): check lilicorr_hidden_size, lilicorr_num_layers and lilicorr_factor_dim in its dflash_config."
+            )
+        self.corrector.set_gate(1.0)
+        self.config.architectures = [type(self).__name__]  # from now on it is one of ours (saved as corrector.*)
 
     # ------------------------------------------------------------------ the backbone
 
@@ -314,7 +451,7 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         (None: column = token id, the whole vocabulary)."""
         if self.draft_token_ids is None:
             return self.slot_logits(slot_hidden).float(), None
-        weight, bias = self._draft_lm_head()
+        weight, bias = self.draft_lm_head()
         return nn.functional.linear(slot_hidden.to(weight.dtype), weight, bias).float(), self.draft_token_ids
 
     def draft_columns(self, token_ids: torch.LongTensor) -> torch.LongTensor:
@@ -332,7 +469,7 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
             cached = self._column_cache = (key, column_of)
         return cached[1][token_ids]
 
-    def _draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target lm_head's rows of the draft vocabulary, sliced once per (lm_head, vocabulary)."""
         lm_head = self.target.get_output_embeddings()
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
@@ -409,33 +546,48 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
             candidate_log_probs, anchor, seen, corpus,
         )
 
+    def draft_candidates(
+        self,
+        block_ids: torch.LongTensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+    ) -> SlotCandidates:
+        """The backbone phase of a draft: one forward over the blocks (`forward`'s arguments; block_ids [B, block]
+        anchor then mask slots), then each slot's top-K candidates over the draft vocabulary (`slot_candidates`)."""
+        out = self(self.embed(block_ids), context_hidden_states, position_ids, attention_mask, cache)
+        block_hidden = out.last_hidden_state  # [B, block, H]
+        logits, column_tokens = self.proposal_logits(block_hidden[:, 1:])  # [B, S, V'] over the draft vocabulary
+        candidates, candidate_logits, log_probs = self.slot_candidates(logits, column_tokens)
+        return SlotCandidates(block_hidden, out.context_states, candidates, candidate_logits, log_probs)
+
     def correct_candidates(
         self,
-        block_hidden: torch.Tensor,
-        context_states: torch.Tensor | None,
-        candidates: torch.LongTensor,
-        candidate_logits: torch.Tensor,
-        log_probs: torch.Tensor | None,
-        position_ids: torch.LongTensor | None,
+        drafted: SlotCandidates,
         anchor_ids: torch.LongTensor,
-        context_ids: torch.LongTensor | None,
-        context_valid: torch.BoolTensor | None,
-        selection: str,
-        geometric_lambda: float,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
-        """The corrector phase of a draft: the candidates' transition scores and the walk through them -> (chosen
-        [B, S], first-slot scores [B, K] or None, transition scores [B, S - 1, K, K]). block_hidden, context_states
-        and log_probs as `DCOCODrafter.propose` has them after the backbone (`slot_candidates`); context_states and
-        position_ids locate LiLiCorr's anchor row only (`anchor_rows`; None serves the other correctors);
-        selection: "prefix_first" | "viterbi" | "geometric"."""
-        anchor = self.anchor_rows(context_states, position_ids) if self.corrector.reads_anchor_state else None
+        *,
+        position_ids: torch.LongTensor | None = None,
+        context_ids: torch.LongTensor | None = None,
+        context_valid: torch.BoolTensor | None = None,
+        selection: str = "prefix_first",
+        geometric_lambda: float = 0.75,
+    ) -> Correction:
+        """The corrector phase of a draft: the candidates' transition scores and the walk through them. anchor_ids
+        [B]; position_ids [B, N + block] (as `forward` had them) locate LiLiCorr's anchor row in
+        `drafted.context_states` only (`anchor_rows`; None serves the other correctors); context_ids / context_valid
+        [B, L] the committed text, read with `context_bigrams`; selection: "prefix_first" | "viterbi" | "geometric"."""
+        anchor = None
+        if self.corrector.reads_anchor_state:
+            anchor = self.anchor_rows(drafted.context_states, position_ids)
         first_scores, scores = self.score_candidates(
-            block_hidden, anchor_ids, candidates, candidate_logits, log_probs, anchor=anchor, context_ids=context_ids,
-            context_valid=context_valid,
+            drafted.block_hidden, anchor_ids, drafted.candidates, drafted.logits, drafted.log_probs, anchor=anchor,
+            context_ids=context_ids, context_valid=context_valid,
         )
         # The paper's walk starts from the drafter's own slot-1 logits when nothing scores the anchor's transitions.
-        first = first_scores if first_scores is not None else candidate_logits[:, 0]
-        return select_candidates(selection, scores.float(), first.float(), geometric_lambda), first_scores, scores
+        first = first_scores if first_scores is not None else drafted.logits[:, 0]
+        chosen = select_candidates(selection, scores.float(), first.float(), geometric_lambda)  # [B, S]
+        return Correction(chosen, first_scores, scores)
 
     def anchor_rows(
         self, context_states: torch.Tensor, position_ids: torch.LongTensor
@@ -509,4 +661,73 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         return table.inputs(lattice[..., :-1, :, None], lattice[..., 1:, None, :], own)
 
 
-__all__ = ["DCOCODraftModel", "DCOCOPreTrainedModel", "DraftOutput"]
+# from_pretrained keywords that say where and how to fetch files, passed on when reading a folder's files (a revision
+# names one repository's, so it is not passed on to the base drafter's).
+HUB_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
+# Tensors a DFlash folder may carry for other engines that this drafter reads elsewhere or not at all: the draft
+# vocabulary's lm_head rows and its maps (EAGLE-3 style, `dcoco-hf export`), the target's embedding.
+_FOREIGN_KEY = re.compile(r"^(model\.)?(d2t|t2d|lm_head\.weight|embed_tokens\.weight)$")
+
+
+def installed_runtime(network_class: type) -> type | None:
+    """The installed dcoco-hf package's `DCOCODrafter` when `network_class` is a Hub folder's own copy of the
+    network (a `transformers_modules` class) and the package is installed, else None."""
+    if network_class.__module__.partition(".")[0] == "dcoco_hf" or importlib.util.find_spec("dcoco_hf") is None:
+        return None
+    return importlib.import_module("dcoco_hf").DCOCODrafter  # installed but broken: its import error says why
+
+
+def resolve_base(source: str | os.PathLike, base: str) -> str:
+    """Where the base drafter named by the folder `source` (`config.base_drafter`) lives. A `base` starting with ./ or
+    ../ is relative to `source`: a local folder, or for a Hub id `source` the repository it names ("../dcoco" from
+    "org/lilicorr" is "org/dcoco"). Any other `base` is an absolute path or a Hub id as it stands."""
+    if base.startswith(("./", "../")):
+        return os.path.normpath(os.path.join(source, base))
+    return base
+
+
+def read_tensors(
+    folder: str | os.PathLike,
+    name: str,
+    keys: set[str] | None,
+    hub: dict[str, Any],
+    named_by: tuple[str | os.PathLike, str] | None = None,
+    keys_only: bool = False,
+) -> dict[str, torch.Tensor | None]:
+    """The tensors `keys` (None: all) of the safetensors file `name` in `folder` (a local folder or a Hub id), or with
+    `keys_only` their names (mapped to None). `named_by` (a folder, its `base_drafter`) says who named `folder` as
+    its base, for the errors: a missing or unreadable file is an OSError naming the file and what to do."""
+    try:
+        path = cached_file(str(folder), name, **hub)
+    except OSError as error:
+        if named_by is None:
+            raise
+        source, base = named_by
+        raise OSError(
+            f"{source} names base_drafter={base!r} for the weights its model.safetensors does not hold (the backbone), "
+            f"but no drafter was found at {folder} ({error}). Put the base drafter's folder at that path, or set "
+            f"base_drafter in {source}'s config.json to its folder or Hub id."
+        ) from error
+    try:
+        with safe_open(path, "pt") as file:
+            names = set(file.keys()) if keys is None else set(file.keys()) & keys
+            return dict.fromkeys(names) if keys_only else {key: file.get_tensor(key) for key in names}
+    except SafetensorError as error:
+        raise unreadable_weights(path, error, named_by) from error
+
+
+def unreadable_weights(
+    where: str | os.PathLike, error: Exception, named_by: tuple[str | os.PathLike, str] | None = None
+) -> OSError:
+    """The error for a weights file safetensors cannot read: which file, who named it, and what to do."""
+    files = sorted(str(f) for f in Path(where).glob("*.safetensors")) if Path(where).is_dir() else [str(where)]
+    role = "" if named_by is None else f" (the base_drafter={named_by[1]!r} that {named_by[0]} names)"
+    return OSError(
+        f"Cannot read the drafter weights in {', '.join(files)}{role} ({error}): the file is truncated or corrupt (or "
+        "not a safetensors file), e.g. by an interrupted download or save. Delete it, then download or save the "
+        "checkpoint again."
+    )
+
+
+__all__ = ["Correction", "DCOCODraftModel", "DCOCOPreTrainedModel", "DraftOutput", "SlotCandidates", "installed_runtime",
+           "read_tensors", "resolve_base"]
