@@ -14,7 +14,7 @@ from transformers import AutoModel
 
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.runtime.drafter import resolve_base
+from dcoco_hf.network.modeling_dcoco import resolve_base
 
 CARDS = Path(__file__).resolve().parents[1] / "model_cards"
 BASE, HEAD = CARDS / "dcoco-smollm2-135m", CARDS / "lilicorr-smollm2-135m"
@@ -77,6 +77,65 @@ def test_missing_base_is_a_clear_error(pair, tmp_path):
     (tmp_path / "head" / "config.json").write_text(json.dumps({**config, "base_drafter": "../nowhere"}))
     with pytest.raises(OSError, match=r"base_drafter='../nowhere'.*Put the base drafter's folder at that path"):
         DCOCODrafter.from_pretrained(tmp_path / "head", local_files_only=True)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_an_unreadable_base_file_names_the_file_and_base_drafter(pair, tmp_path, damage):
+    """A base whose model.safetensors is cut short or holds a pickle: an OSError naming that file and the folder's
+    base_drafter, not safetensors' bare error."""
+    import shutil
+
+    root, _, head = pair
+    shutil.copytree(root / "base", tmp_path / "base")
+    head.save_pretrained(tmp_path / "head", base_drafter="../base")
+    weights = tmp_path / "base" / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        torch.save({"fc.weight": torch.zeros(2, 2)}, weights)
+    with pytest.raises(OSError, match=rf"{weights}.*base_drafter='../base'.*truncated or corrupt"):
+        DCOCODrafter.from_pretrained(tmp_path / "head")
+
+
+# The folder's own code where the package is not installed: the network alone, whose head-only folders still load
+# their base (or refuse), never a freshly initialised backbone.
+_HEAD_WITHOUT_PACKAGE = """
+import sys, torch
+sys.modules["dcoco_hf"] = None  # as where the package is not installed
+from safetensors.torch import load_file
+from transformers import AutoModel
+head, base = sys.argv[1:]
+try:
+    network = AutoModel.from_pretrained(head, trust_remote_code=True)
+except OSError as error:
+    print("REFUSED", error)
+    raise SystemExit(0)
+assert type(network).__module__.startswith("transformers_modules"), type(network)
+stored, backbone = load_file(head + "/model.safetensors"), load_file(base + "/model.safetensors")
+state = network.state_dict()
+for name, tensor in state.items():
+    expected = stored[name].to(tensor.dtype) if name in stored else backbone[name]
+    assert torch.equal(tensor, expected), name
+print("LOADED", len(state))
+"""
+
+
+@pytest.mark.parametrize("card", [HEAD, SELECTOR], ids=lambda p: p.name)
+def test_a_head_folder_without_the_package_loads_its_base(card, tmp_path):
+    """A head-only card through AutoModel where dcoco_hf is not installed: every backbone tensor is the base's (the
+    probe found 0 of 40 matching: a fresh backbone); with the base gone, it refuses to load."""
+    import shutil
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-c", _HEAD_WITHOUT_PACKAGE, str(card), str(BASE)]
+    result = subprocess.run(run, capture_output=True, text=True)
+    assert result.returncode == 0 and "LOADED" in result.stdout, result.stderr[-3000:]
+    shutil.copytree(card, tmp_path / card.name)  # no ../dcoco-smollm2-135m beside it
+    run[3] = str(tmp_path / card.name)
+    result = subprocess.run(run, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED" in result.stdout and "base_drafter='../dcoco-smollm2-135m'" in result.stdout, result.stdout
 
 
 def test_shipped_lilicorr_folder_is_its_head_on_the_dcoco_backbone():

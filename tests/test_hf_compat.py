@@ -97,3 +97,62 @@ def test_nothing_is_found_outside_a_generate_call():
     assert hf_compat.assisted_stopping_criteria() is None
     assert hf_compat.assisted_loop_scores() is None
     assert hf_compat.assisted_driver() is None
+
+
+# ------------------------------------------------------------------------------------------------ one adapter
+
+# The network a Hub folder carries reads the attention implementation as every transformers modeling file does: it
+# cannot import the runtime's adapter (tests/test_import_graph.py keeps the network free of runtime modules).
+_NETWORK_IDIOM = {("network/modeling_dcoco.py", "_attn_implementation")}
+
+
+def _transformers_private_names() -> set[str]:
+    """Private names of the transformers objects the package handles: configs, models, generation configs, the
+    assisted loop's generators, caches, and the special-token tensors generate() sets on a generation config."""
+    from transformers import GenerationConfig, GenerationMixin, PreTrainedConfig, PreTrainedModel
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+    from transformers.generation.candidate_generator import CandidateGenerator
+
+    classes = (PreTrainedModel, PreTrainedConfig, GenerationConfig, GenerationMixin, AssistedCandidateGenerator,
+               CandidateGenerator, Cache, DynamicCache, DynamicLayer, CacheLayerMixin, StoppingCriteriaList)
+    names = {name for cls in classes for name in dir(cls)} | set(vars(GenerationConfig())) | set(vars(PreTrainedConfig()))
+    names |= {"_eos_token_tensor", "_pad_token_tensor", "_bos_token_tensor", "_decoder_start_token_tensor"}
+    names -= set(dir(torch.Tensor)) | set(dir(torch.nn.Module))  # torch's (a tensor's `_version`), not transformers'
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def _reads_of_transformers_internals() -> list[tuple[str, int, str]]:
+    """(file, line, what) of every place in the package that touches transformers' internals: a private attribute
+    of another object (not `self`/`super()`, which are our own subclasses' conventions), the assisted generator's
+    proposal length written, a frame's locals, or transformers' log text."""
+    import ast
+    from pathlib import Path
+
+    package = Path(hf_compat.__file__).resolve().parents[1]
+    private = _transformers_private_names()
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                owner = ast.unparse(node.value)
+                if node.attr in private and owner != "self" and not owner.startswith("super("):
+                    found.append((where, node.lineno, node.attr))
+                elif node.attr == "f_locals" or (node.attr == "num_assistant_tokens" and owner == "driver"):
+                    found.append((where, node.lineno, node.attr))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "LOAD REPORT" in node.value:
+                found.append((where, node.lineno, "LOAD REPORT"))
+    return found
+
+
+def test_transformers_internals_are_read_in_the_adapter_only():
+    """Every read or write of a private name (or log text) of transformers goes through runtime/hf_compat.py, which
+    says why and on which releases it was checked; the one exception is the network's modeling idiom."""
+    found = _reads_of_transformers_internals()
+    outside = [(where, line, name) for where, line, name in found
+               if where != "runtime/hf_compat.py" and (where, name) not in _NETWORK_IDIOM]
+    assert not outside, f"transformers internals read outside runtime/hf_compat.py: {outside}"
+    names = {name for where, _, name in found if where == "runtime/hf_compat.py"}
+    # What the adapter reads, as its docstring lists it: a new name there must be documented there too.
+    assert names == {"_attn_implementation", "_eos_token_tensor", "_pad_token_tensor", "_from_model_config",
+                     "f_locals", "num_assistant_tokens"}, names

@@ -41,6 +41,44 @@ def test_folder_is_complete_and_hub_ready():
     assert "RESULTS_TABLE" not in (CARD / "README.md").read_text()
 
 
+# A card's own first lines, in a fresh process that never imports dcoco_hf: AutoModel builds the folder's network,
+# which hands loading over to the installed package, so `.attach(target)` works. The target has the default target's
+# shapes (random weights: what matters is the class AutoModel returns and that speculation stays exact).
+_CARD_FIRST_LINES = """
+import sys, torch
+from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+folder = sys.argv[1]
+torch.manual_seed(0)
+target = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=28,
+                                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)).eval()
+drafter = AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target, tune=False)
+assert type(drafter).__module__ == "dcoco_hf.runtime.drafter", type(drafter)
+assert type(drafter.corrector).__module__.startswith("dcoco_hf."), type(drafter.corrector)
+ids = torch.randint(0, 49152, (1, 8))
+with torch.no_grad():
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    fast = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           assistant_model=drafter)
+assert torch.equal(plain, fast), (plain, fast)
+print(drafter.config.corrector_type, drafter.generation_stats(fast).cycles)
+"""
+
+
+@pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
+def test_a_cards_first_line_attaches_without_importing_the_package(card):
+    """`AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target)` in a process that never imported
+    dcoco_hf (the package is installed): the DCOCO card and both head-only cards (LiLiCorr, DFlash2 selector)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _CARD_FIRST_LINES, str(card)], capture_output=True, text=True,
+                            cwd=card.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    corrector, cycles = result.stdout.split()[-2:]
+    assert corrector == json.loads((card / "config.json").read_text()).get("corrector_type", "dcoco")
+    assert int(cycles) > 0
+
+
 @pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
 @pytest.mark.parametrize("name", CODE_FILES)
 def test_shipped_code_matches_the_package(card, name):
