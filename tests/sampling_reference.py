@@ -31,12 +31,13 @@ def peaked_target():
     return target
 
 
-def random_drafter(target, seed: int, soft: bool = False):
+def random_drafter(target, seed: int, soft: bool = False, tree_budget: int = 0):
     """A drafter with random backbone weights (seeded) and a scrambled corrector, so proposals are arbitrary.
 
     `soft` shrinks the final norm: the drafter's own distribution is then far from one-hot. It proposes its whole
-    block every cycle (the constant schedule), so the first cycle's outcomes are known in advance;
-    tests/test_proposal.py samples under the cost-aware schedule.
+    block every cycle (the constant schedule), so the first cycle's outcomes are known in advance; with
+    `tree_budget` its draft tree of that many nodes instead (tests/test_trees.py). tests/test_proposal.py samples
+    under the cost-aware schedule.
     """
     from dcoco_hf import DCOCODrafter
 
@@ -50,6 +51,7 @@ def random_drafter(target, seed: int, soft: bool = False):
             drafter.norm.weight.mul_(0.05)
     drafter = scrambled(drafter, seed=2)
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    drafter.generation_config.tree_budget = tree_budget
     return drafter
 
 

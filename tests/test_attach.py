@@ -64,7 +64,9 @@ def test_attach_tunes_for_cpu_and_logs_one_line(tmp_path, monkeypatch, capsys):
     assert tuning.target_layout and tuning.drafter_layout
     # The cost-aware schedule drafts the largest trained block and sizes each proposal from the costs timed here.
     assert tuning.block_choice is None and drafter.draft_block_size == drafter.config.block_size
-    assert tuning.costs is not None and tuning.costs.max_rows == drafter.config.block_size
+    # Its verify widths cover the block and a draft tree of tree_budget nodes (the batched loop's).
+    widest = max(drafter.config.block_size, drafter.decoding.tree_budget + 1)
+    assert tuning.costs is not None and tuning.costs.max_rows == widest
     assert drafter.cycle_costs is tuning.costs
     assert tuning.cache_file is not None and tuning.cache_file.parent == tmp_path
     assert tuning.cache_file.is_file() and not tuning.from_cache

@@ -111,8 +111,8 @@ def test_greedy_exact_with_cache_compaction(fitted, seed, lengths, max_new_token
     target, drafter = fitted
     monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
     calls = []
-    compact = generation._compact
-    monkeypatch.setattr(generation, "_compact", lambda *args: calls.append(1) or compact(*args))
+    compact = generation.compact
+    monkeypatch.setattr(generation, "compact", lambda *args: calls.append(1) or compact(*args))
     ids, mask = left_padded(seed, lengths)
     free = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD)
     for eos in (None, int(free[0, ids.shape[1] + 4])):
@@ -179,15 +179,17 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("corrector,lengths,compaction,schedule", [
-    ("context_bigrams", [5, 12, 2], False, "constant"), ("context_bigrams", [7, 7], True, "constant"),
-    ("lilicorr", [5, 12, 2], True, "constant"), ("context_bigrams", [5, 12, 2], False, "cost"),
+@pytest.mark.parametrize("corrector,lengths,compaction,schedule,tree_budget", [
+    ("context_bigrams", [5, 12, 2], False, "constant", 0), ("context_bigrams", [7, 7], True, "constant", 0),
+    ("lilicorr", [5, 12, 2], True, "constant", 0), ("context_bigrams", [5, 12, 2], False, "cost", 0),
+    ("context_bigrams", [5, 12, 2], True, "constant", 6), ("lilicorr", [5, 12, 2], False, "cost", 6),
 ])
-def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedule, monkeypatch):
+def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedule, tree_budget, monkeypatch):
     """Each cycle of the batched loop waits for the device once (accepted counts and finished rows, read together):
     padded and unpadded batches, a corrector reading context bigrams and corpus counts or a LiLiCorr head, rows
     leaving the batch, and cache compaction, all without `time_phases`. The cost-aware schedule reads the slots'
-    confidences once more per drafted cycle, to size the verify forward."""
+    confidences once more per drafted cycle, to size the verify forward; a tree budget reads the draft's scores once
+    instead (the trees and the chain are built from them on the host)."""
     target, fitted_drafter = fitted
     if corrector == "lilicorr":
         drafter = lilicorr_copy(fitted_drafter, target)
@@ -197,7 +199,9 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedul
         drafter = scrambled(fitted_drafter, seed=4, context_bigrams=True, corpus=CorpusBigrams.count(texts, VOCAB))
         drafter.config.correct_first_slot = True
     drafter.generation_config.num_assistant_tokens_schedule = schedule
+    drafter.generation_config.tree_budget = tree_budget
     drafter.cycle_costs = CycleCosts(verify=[1.0] * 8, draft={8: 1e-9})  # drafting always pays: no plain steps
+    drafter.proposal_schedule.batch_costs = {4: CycleCosts(verify=[1.0] * 8, draft={8: 1e-9}, batch=4)}  # nor batched
     if compaction:
         monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
     reads = _HostReads()
@@ -233,7 +237,7 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedul
     monkeypatch.undo()
     assert got.sequences.tolist() == expected.tolist()
     assert len(at_draft) > 4
-    per_cycle = 1 if schedule == "constant" else 2
+    per_cycle = 1 if schedule == "constant" and not tree_budget else 2
     assert [after - before for before, after in itertools.pairwise(at_draft)] == [per_cycle] * (len(at_draft) - 1)
 
 
@@ -349,17 +353,30 @@ def test_wrong_verification_is_caught(sampling_models, monkeypatch):
     target, drafter = sampling_models
     setting = SETTINGS["t1"]
     probs = exact_distribution(target, setting)
+    seen = {}
+    picker, follow = generation.column_picker, generation.follow_path
 
-    def wrong_verify(pick, logits, drafts):
-        chosen = pick(logits)  # an independent target sample per position
-        p_draft = logits[:, :-1].softmax(-1).gather(-1, drafts[..., None]).squeeze(-1)  # [b, S]
-        take = torch.rand_like(p_draft) < p_draft
-        chosen[:, :-1] = torch.where(take, drafts, chosen[:, :-1])
-        return chosen, (drafts == chosen[:, :-1]).long().cumprod(1).sum(1)
+    def capturing(token_picker, logits, *args):
+        seen["logits"] = logits
+        return picker(token_picker, logits, *args)
 
-    monkeypatch.setattr(generation, "_verify", wrong_verify)
+    def wrong_follow(tokens, parents, depth, pick):
+        logits, rows = seen["logits"], torch.arange(tokens.shape[0])
+
+        def lenient(column, step, path_tokens):
+            chosen = pick(column, step, path_tokens)  # an independent target sample at the column
+            if step >= tokens.shape[1]:
+                return chosen
+            draft = tokens[:, step]  # the chain's draft after this column
+            p_draft = logits[rows, column].softmax(-1).gather(1, draft[:, None])[:, 0]
+            return torch.where(torch.rand_like(p_draft) < p_draft, draft, chosen)
+
+        return follow(tokens, parents, depth, lenient)
+
+    monkeypatch.setattr(generation, "column_picker", capturing)
+    monkeypatch.setattr(generation, "follow_path", wrong_follow)
     torch.manual_seed(4321)
-    n = 1500
+    n = 4000
     tv = total_variation(histogram(sample_batch(target, drafter, setting, n).sequences), probs)
     q99 = iid_tv_quantiles(probs, n)[1]
     print(f"wrong verification: TV {tv:.4f}, iid 99% {q99:.4f}")

@@ -292,7 +292,7 @@ def _rotating_blocks(monkeypatch, sizes=(2, 8, 4, 3)):
     """Make the cost-aware schedule draft each of `sizes` in turn (the costs would pick one)."""
     turn = iter(range(10**6))
     monkeypatch.setattr(
-        ProposalSchedule, "plan_draft", lambda self, *args: DraftPlan(sizes[next(turn) % len(sizes)], 1.0)
+        ProposalSchedule, "plan_draft", lambda self, *args, **kwargs: DraftPlan(sizes[next(turn) % len(sizes)], 1.0)
     )
 
 
@@ -358,7 +358,7 @@ def test_sampling_is_exact_with_plain_steps_and_full_blocks(setting, monkeypatch
 @pytest.mark.parametrize("costs", [NEVER_PAYS, FREE_VERIFY, CPU_LIKE], ids=["plain", "full", "mixed"])
 def test_batched_loop_is_exact_under_the_cost_aware_schedule(fitted, costs, monkeypatch):
     """speculative_generate: one k per batched cycle, plain steps included, ragged rows, same tokens as plain
-    batched generate()."""
+    batched generate() (chains: tests/test_trees.py has the trees)."""
     from dcoco_hf import speculative_generate
 
     target, drafter = fitted
@@ -367,7 +367,7 @@ def test_batched_loop_is_exact_under_the_cost_aware_schedule(fitted, costs, monk
     ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
     attention_mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
     expected = target.generate(ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
-    with schedule(drafter, costs=costs):
+    with schedule(drafter, costs=costs, tree_budget=0):
         out = speculative_generate(target, ids, attention_mask=attention_mask, drafter=drafter, max_new_tokens=30)
     assert out.sequences.tolist() == expected.tolist()
     lengths = [sum(column) for column in zip(*(_padded(s.proposal_lengths, 8) for s in out.stats))]

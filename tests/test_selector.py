@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from dcoco_hf import DCOCOConfig, DCOCODrafter, speculative_generate
 from dcoco_hf.runtime.context_cache import DraftContextCache
 from dcoco_hf.serving.export import export_dflash2
+from dcoco_hf.network.corrector import BlockLattice
 from dcoco_hf.network.selector import SelectorCorrector
 from dcoco_hf.training import drafter_loss, target_context
 
@@ -72,8 +73,8 @@ def test_scores_are_the_bilinear_formula_per_pair():
     anchors = torch.tensor([7, -1])  # the second anchor lies outside the codebook: a zero code
     config = DCOCOConfig(target_layer_ids=[0], corrector_type="dflash2")
     with torch.no_grad():
-        start, pairs = head.score(config, torch.cat([torch.zeros(2, 1, 8), slot_hidden], 1), anchors, candidates,
-                                  unary, embedding=None)
+        lattice = BlockLattice(torch.cat([torch.zeros(2, 1, 8), slot_hidden], 1), anchors, candidates, unary)
+        start, pairs = head.score(config, lattice, embedding=None)
     assert start.shape == (2, 4) and pairs.shape == (2, 2, 4, 4)
     P, S, W = head.predecessor_codebook, head.successor_codebook, head.hidden_projection.weight
 

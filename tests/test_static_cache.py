@@ -84,8 +84,8 @@ def test_static_rows_leave_on_eos(fitted, arch):
 
 def _counting_compactions(monkeypatch) -> list[int]:
     calls = []
-    compact = generation._compact
-    monkeypatch.setattr(generation, "_compact", lambda *args: calls.append(1) or compact(*args))
+    compact = generation.compact
+    monkeypatch.setattr(generation, "compact", lambda *args: calls.append(1) or compact(*args))
     return calls
 
 
@@ -119,8 +119,9 @@ def test_static_compaction_when_the_buffer_is_full(fitted, monkeypatch):
 def test_static_one_host_sync_per_cycle(fitted, monkeypatch):
     """Writing, cropping, selecting rows and packing in the static buffers read nothing on the host: still one sync
     per cycle, compaction and rows leaving included."""
-    monkeypatch.setattr(generation, "_static_cache", lambda config, device: True)
-    test_batched.test_one_host_sync_per_cycle(fitted, "context_bigrams", [7, 7], True, "constant", monkeypatch)
+    monkeypatch.setattr(generation, "static_cache_wanted", lambda config, device: True)
+    test_batched.test_one_host_sync_per_cycle(fitted, "context_bigrams", [7, 7], True, "constant", 0, monkeypatch)
+    test_batched.test_one_host_sync_per_cycle(fitted, "context_bigrams", [7, 7], True, "constant", 6, monkeypatch)
 
 
 @pytest.mark.parametrize("seed,lengths,max_new_tokens", [(0, [3, 9, 6, 1], 24), (1, [7, 2], 13)])
@@ -155,13 +156,13 @@ def test_static_through_custom_generate(fitted, allocations):
 def test_cache_kind_choice():
     """Unset: static on CUDA, dynamic elsewhere; named: as named (transformers' older static names too)."""
     unset = GenerationConfig()
-    assert generation._static_cache(unset, torch.device("cuda"))
-    assert not generation._static_cache(unset, torch.device("cpu"))
+    assert generation.static_cache_wanted(unset, torch.device("cuda"))
+    assert not generation.static_cache_wanted(unset, torch.device("cpu"))
     for kind, static in (("static", True), ("hybrid", True), ("dynamic", False)):
         for device in ("cpu", "cuda"):
-            assert generation._static_cache(GenerationConfig(cache_implementation=kind), torch.device(device)) is static
+            assert generation.static_cache_wanted(GenerationConfig(cache_implementation=kind), torch.device(device)) is static
     with pytest.raises(ValueError, match=r"cache_implementation='offloaded' is not supported.*\"static\" or"):
-        generation._static_cache(GenerationConfig(cache_implementation="offloaded"), torch.device("cpu"))
+        generation.static_cache_wanted(GenerationConfig(cache_implementation="offloaded"), torch.device("cpu"))
 
 
 def test_other_cache_kinds_are_refused_clearly(fitted):

@@ -123,6 +123,8 @@ def test_selector_scores_are_vllms_formula_on_the_export(dflash2_export):
     import torch
     from vllm.model_executor.models.qwen3_dflash2 import _score_edges
 
+    from dcoco_hf.network.corrector import BlockLattice
+
     drafter, config, tensors = dflash2_export
     ids = drafter.draft_token_ids
     g = torch.Generator().manual_seed(1)
@@ -132,10 +134,9 @@ def test_selector_scores_are_vllms_formula_on_the_export(dflash2_export):
     unary = torch.randn(2, 3, drafter.config.top_k, generator=g)
     with torch.no_grad():
         # What `score_candidates` hands the selector (no target needed): its codebook rows of the token ids.
-        start, pairs = drafter.corrector.score(
-            drafter.config, torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1), drafter.draft_columns(anchors),
-            drafter.draft_columns(candidates), unary, embedding=None,
-        )
+        lattice = BlockLattice(torch.cat([torch.zeros_like(hidden[:, :1]), hidden], 1), drafter.draft_columns(anchors),
+                               drafter.draft_columns(candidates), unary)
+        start, pairs = drafter.corrector.score(drafter.config, lattice, embedding=None)
         projected = hidden @ tensors["candidate_selector.hidden_projection.weight"].T
         theirs = _score_edges(tensors["candidate_selector.predecessor_codebook"],
                               tensors["candidate_selector.successor_codebook"], candidates, unary, projected, anchors,

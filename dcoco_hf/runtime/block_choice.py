@@ -114,6 +114,12 @@ def candidate_block_sizes(drafter: DCOCODrafter) -> list[int]:
     return sorted(int(size) for size in block_tau)
 
 
+def verify_widths(widest: int) -> list[int]:
+    """The verify widths (columns per row) to time up to `widest`: each up to 8, then a few, interpolated between
+    (`CycleCosts.fit`): a draft tree's widths would otherwise double the timing."""
+    return sorted({*range(1, min(widest, 8) + 1), *(w for w in (10, 12, 16, 24, 32, 48, 64) if w < widest), widest})
+
+
 @torch.no_grad()
 def measure_cycle_costs(
     target: PreTrainedModel,
@@ -123,10 +129,12 @@ def measure_cycle_costs(
     context_length: int = 256,
     new_rows: int = 2,
     repeats: int = 7,
+    batch: int = 1,
 ) -> CycleCosts:
-    """Time the parts of a cycle on this device (`CycleCosts`): a target forward of 1..`max_rows` rows on a cached
-    context of `context_length` tokens (1 row: a plain step), and `drafter.propose` of a block of each of
-    `block_sizes` with `new_rows` fresh context rows (about tau) on a drafter cache of the same length.
+    """Time the parts of a cycle on this device at `batch` rows (`CycleCosts`): a target forward of 1..`max_rows`
+    columns per row on a cached context of `context_length` tokens (1 column: a plain step; `verify_widths`), and
+    `drafter.propose` of a block of each of `block_sizes` with `new_rows` fresh context rows (about tau) on a drafter
+    cache of the same length.
 
     A noisy machine slows whatever runs during a slow spell, so every size runs once per round, in an order rotated
     from round to round, after one untimed round; the fit takes medians over `repeats` rounds and makes them
@@ -135,9 +143,10 @@ def measure_cycle_costs(
     sync = device_sync(device)
     longest = max(max_rows, max(block_sizes))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.config.vocab_size, (1, context_length + longest), generator=generator).to(device)
+    ids = torch.randint(0, target.config.vocab_size, (batch, context_length + longest), generator=generator)
+    ids = ids.to(device)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    states = torch.randn(1, context_length + new_rows, width, generator=generator).to(device, drafter.dtype)
+    states = torch.randn(batch, context_length + new_rows, width, generator=generator).to(device, drafter.dtype)
     positions = torch.arange(context_length + new_rows + longest, device=device)[None]
 
     context_cache = DynamicCache(config=target.config)
@@ -145,17 +154,18 @@ def measure_cycle_costs(
     draft_cache = DraftContextCache()
     with block_size_for_call(drafter, min(block_sizes)):  # fills the drafter cache with the context rows
         block = positions[:, context_length : context_length + min(block_sizes)]
-        drafter.propose(ids[0, -1:], states[:, :context_length], torch.cat([positions[:, :context_length], block], 1),
-                        draft_cache, context_ids=ids[:, :context_length])
+        drafter.propose(ids[:, context_length - 1], states[:, :context_length],
+                        torch.cat([positions[:, :context_length], block], 1), draft_cache,
+                        context_ids=ids[:, :context_length])
 
-    def verify(rows: int) -> float:
+    def verify(columns: int) -> float:
         # A copy of the context's cache per forward: cropping it back would not undo a sliding-window layer's
         # shift on every transformers release.
         target_cache = copy.deepcopy(context_cache)
         sync()
         start = time.perf_counter()
-        target(input_ids=ids[:, context_length : context_length + rows], **cache_kwargs(target_cache), use_cache=True,
-               logits_to_keep=rows)
+        target(input_ids=ids[:, context_length : context_length + columns], **cache_kwargs(target_cache),
+               use_cache=True, logits_to_keep=columns)
         sync()
         return time.perf_counter() - start
 
@@ -164,15 +174,15 @@ def measure_cycle_costs(
         start = time.perf_counter()
         with block_size_for_call(drafter, block_size):
             cycle_positions = positions[:, context_length : context_length + new_rows + block_size]
-            drafter.propose(
-                ids[0, -1:], states[:, context_length:], cycle_positions, draft_cache, context_ids=ids[:, :context_length]
-            )
+            drafter.propose(ids[:, -1], states[:, context_length:], cycle_positions, draft_cache,
+                            context_ids=ids[:, :context_length])
         sync()
         seconds = time.perf_counter() - start
         draft_cache.truncate(context_length)
         return seconds
 
-    parts = [("verify", rows) for rows in range(1, max_rows + 1)] + [("draft", size) for size in block_sizes]
+    widths = verify_widths(max_rows)
+    parts = [("verify", columns) for columns in widths] + [("draft", size) for size in block_sizes]
     timings: dict[tuple[str, int], list[float]] = {part: [] for part in parts}
     for round_ in range(repeats + 1):
         shift = round_ % len(parts)
@@ -181,8 +191,9 @@ def measure_cycle_costs(
             if round_:  # round 0 warms every size up
                 timings[kind, size].append(seconds)
     return CycleCosts.fit(
-        {rows: timings["verify", rows] for rows in range(1, max_rows + 1)},
+        {columns: timings["verify", columns] for columns in widths},
         {size: timings["draft", size] for size in block_sizes},
+        batch=batch,
     )
 
 

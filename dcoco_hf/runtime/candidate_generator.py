@@ -218,7 +218,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         largest = self.drafter.config.block_size
         cap = largest - 1 if max_new_tokens is None else min(max_new_tokens, largest - 1)
         anchor_position = torch.tensor([length - 1], device=input_ids.device)
-        proposal, k = self.engine.draft(
+        proposal, k, _ = self.engine.draft(  # the assisted loop verifies chains (no tree budget)
             committed[-1:], anchor_position, context[None], positions[None], [0], cap, context_ids=committed[None]
         )
         tokens = cut_at_stop(
@@ -254,7 +254,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self._plain_since_draft += 1
         self.engine.verified([0], proposed, [int(num_matches)], [new])
         if started is not None:  # the prompt's cycle is not timed: its prefill is no cycle cost
-            self.engine.observe_cycle_time(0, now - started, proposed, block, len(new))
+            self.engine.observe_cycle_time([0], now - started, proposed, block, [len(new)])
         driver = self.driver
         if not self.engine.plain_left and driver is not None and proposal_length(driver) == 0:
             set_proposal_length(driver, self._driver_tokens)

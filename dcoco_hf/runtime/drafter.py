@@ -202,14 +202,17 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
     @property
     def proposal_schedule(self) -> ProposalSchedule:
         """The cost-aware schedule's state for the block drafted now: the cycle costs `attach` timed here (None
-        untuned: then every slot is proposed) and the acceptance fit, which learns across calls from the drafter's
-        `block_tau` prior on. Assign `drafter.cycle_costs` to use other costs."""
+        untuned: then every slot is proposed), those timed at other batch sizes (`tuning.time_batch`), and the
+        acceptance fit, which learns across calls from the drafter's `block_tau` prior on. Assign
+        `drafter.cycle_costs` to use other costs, at every batch size."""
         slots = self.config.block_size - 1
         schedule = self._schedule
         if schedule is None or schedule.acceptance.slots != slots:
             costs = schedule.costs if schedule is not None else (self._tuning.costs if self._tuning else None)
+            timed = dict(schedule.batch_costs if schedule is not None else self._tuning.batch_costs if self._tuning
+                         else {})
             prior = chain_prior(self.decoding.block_tau, slots)
-            schedule = self._schedule = ProposalSchedule(costs, AcceptanceModel(prior))
+            schedule = self._schedule = ProposalSchedule(costs, AcceptanceModel(prior), timed)
         return schedule
 
     @property
@@ -218,7 +221,9 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
 
     @cycle_costs.setter
     def cycle_costs(self, costs: CycleCosts | None) -> None:
-        self.proposal_schedule.costs = costs
+        """Costs set by hand stand for every batch size: batched calls time nothing then."""
+        schedule = self.proposal_schedule
+        schedule.costs, schedule.batch_costs, schedule.per_batch = costs, {}, False
 
     @property
     def decoding(self) -> DecodingChoices:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
+from ..network.corrector import walk_name
 from .proposal import (
     COST_SCHEDULE,
     DraftPlan,
@@ -37,6 +38,16 @@ from .proposal import (
     update_recent,
 )
 from .stats import DCOCOStats
+from .trees import (
+    DraftTrees,
+    TreeNode,
+    TreeScores,
+    best_first,
+    chain_of,
+    draft_trees,
+    node_labels,
+    tree_scores,
+)
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter, DraftProposal
@@ -69,15 +80,20 @@ class SpeculationEngine:
         context_length: the longest context the call is expected to reach, which a static context cache (captured
             drafting) allocates for at once; it grows beyond it when needed.
 
+        tree_budget: the most nodes a cycle's draft tree may have (`trees.py`; the batched loop verifies trees, the
+            assisted loop one chain); 0: chains only. Trees follow the prefix-first walk's scores: with another walk
+            the cycles verify chains.
+
     Under the cost-aware schedule (the default) each cycle drafts the block of most expected tokens per second and
-    proposes the k of most expected tokens per second summed over the rows (one verify forward of k + 1 columns);
-    a draft not expected to beat a plain step makes the next cycles plain steps. Other schedules draft the
-    configured block and propose up to the loop's cap.
+    verifies what is expected to commit the most tokens per second summed over the rows, at the batch's shape: the
+    chain's first k slots (one verify forward of k + 1 columns) or, with a tree budget, a tree of N nodes (N + 1
+    columns); a draft not expected to beat a plain step makes the next cycles plain steps. Other schedules draft the
+    configured block and propose up to the loop's cap ("constant" with a budget: the budget's tree, every cycle).
     """
 
     def __init__(
         self, drafter: AttachedDrafter, rows: int, correct: bool = True, selection: str | None = None,
-        context_length: int = 256,
+        context_length: int = 256, tree_budget: int = 0,
     ) -> None:
         self.drafter, self.correct, self.selection = drafter, correct, selection
         config, generation = drafter.config, drafter.generation_config
@@ -95,8 +111,13 @@ class SpeculationEngine:
         self._waiting: list[list[_DraftedBlock]] = [[] for _ in range(rows)]  # slots not all settled yet
         self._drafted: list[list[_DraftedBlock]] = [[] for _ in range(rows)]  # every block, for candidate coverage
         self._proposal: DraftProposal | None = None  # the cycle's draft, until verified
+        self._trees: tuple[DraftTrees, TreeScores] | None = None  # the cycle's draft trees and scores, until verified
         self._plan: DraftPlan | None = None  # the cycle's block, and whether drafting is expected to pay
         self._draftable: list[float] = []  # the active rows' draftable shares when the block was planned
+        walk = walk_name(selection or drafter.decoding.selection)
+        schedule_name = drafter.proposal_schedule_name
+        trees_apply = walk == "prefix_first" and schedule_name in (COST_SCHEDULE, "constant")
+        self.tree_budget = tree_budget if trees_apply else 0
 
     # ------------------------------------------------------------------------------------------------ a cycle
 
@@ -111,11 +132,12 @@ class SpeculationEngine:
         attention_mask: torch.Tensor | None = None,
         context_ids: torch.LongTensor | None = None,
         context_valid: torch.Tensor | None = None,
-    ) -> tuple[DraftProposal, int]:
-        """Draft one block for the active rows `row_ids` and choose how many of its slots to propose (at most `cap`):
-        (proposal, k). anchor, anchor_positions [b]; context [b, N, n_layers * H] the target states not yet in the
-        drafter cache at context_positions [b, N]; masks and context ids as in `DCOCODrafter.propose` (the mask
-        sized for `draft_block(row_ids, cap)`'s block)."""
+    ) -> tuple[DraftProposal, int, DraftTrees | None]:
+        """Draft one block for the active rows `row_ids` and choose what the target verifies: (proposal, k, trees),
+        the chain's first k slots (at most `cap`), or with `tree_budget` the rows' draft trees (k = 0). anchor,
+        anchor_positions [b]; context [b, N, n_layers * H] the target states not yet in the drafter cache at
+        context_positions [b, N]; masks and context ids as in `DCOCODrafter.propose` (the mask sized for
+        `draft_block(row_ids, cap)`'s block)."""
         block = self._plan.block if self._plan is not None else self.draft_block(row_ids, cap)
         offsets = torch.arange(block, device=anchor.device)
         position_ids = torch.cat([context_positions, anchor_positions[:, None] + offsets], dim=1)  # [b, N + block]
@@ -125,9 +147,9 @@ class SpeculationEngine:
             correct=self.correct, context_ids=context_ids, context_valid=context_valid,
             timed=self.drafter.time_phases, block_size=block,
         )
-        k = self._proposal_length(proposal, row_ids, min(cap, block - 1), blind)
+        k, trees = self._proposal_length(proposal, row_ids, min(cap, block - 1), blind)
         self._proposal, self._plan = proposal, None
-        return proposal, k
+        return proposal, k, trees
 
     def draft_block(self, row_ids: Sequence[int], cap: int) -> int:
         """The block (anchor + slots) the next `draft` drafts: the configured one, or the cost-aware schedule's for
@@ -138,7 +160,7 @@ class SpeculationEngine:
         else:
             recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
             draftable = sum(self._draftable) / len(self._draftable)
-            self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor)
+            self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor, batch=len(row_ids))
         return self._plan.block
 
     def prefilled(self, row_ids: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
@@ -148,15 +170,29 @@ class SpeculationEngine:
             self.answers[row].extend(tokens)
 
     def verified(
-        self, row_ids: Sequence[int], proposed: int, accepted: Sequence[int], committed: Sequence[Sequence[int]]
+        self,
+        row_ids: Sequence[int],
+        proposed: int,
+        accepted: Sequence[int],
+        committed: Sequence[Sequence[int]],
+        path: Sequence[Sequence[int]] | None = None,
+        path_tokens: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """After the target verified the cycle: `proposed` drafts were offered to every active row (0: a plain step),
-        row i accepted `accepted[i]` of them and committed the tokens `committed[i]` (accepted drafts and the target's
-        own token, cut at the budget or an EOS)."""
+        """After the target verified the cycle: `proposed` drafts were offered to every active row (0: a plain step;
+        a tree's nodes), row i accepted `accepted[i]` of them and committed the tokens `committed[i]` (accepted drafts
+        and the target's own token, cut at the budget or an EOS). With trees: `path` [b][depth + 1] the accepted
+        path's block columns (`verification.follow_path`) and `path_tokens` the target's token at each of them, both
+        on the host."""
         proposal, self._proposal = self._proposal, None
+        trees, self._trees = self._trees, None
+        if trees is not None:
+            self._learn_from_trees(*trees, row_ids, path, accepted, path_tokens)
+            trees = trees[0]
         for row, count, tokens in zip(row_ids, accepted, committed):
             stats = self.stats[row]
-            if proposal is not None:
+            if trees is not None:
+                stats.observe_tree(proposed, count, len(tokens))
+            elif proposal is not None:
                 stats.observe_draft(proposed, count, len(tokens))
             elif self.plain_left:
                 stats.observe_plain_steps(committed=len(tokens))
@@ -174,18 +210,27 @@ class SpeculationEngine:
                 self.stats[row].drafter_seconds += proposal.backbone_seconds
                 self.stats[row].corrector_seconds += proposal.corrector_seconds
 
-    def observe_cycle_time(self, row: int, seconds: float, proposed: int, block: int | None, committed: int) -> None:
-        """A timed cycle that committed `committed` tokens (a draft of `block` and its verify, or a plain step with
-        block None): what the timed costs missed teaches the schedule (`loop`, and `loop(B)`), and the row's
-        statistics compare it with plain steps for the same tokens."""
-        costs = self.schedule.costs if self.schedule is not None else None
+    def observe_cycle_time(
+        self, row_ids: Sequence[int], seconds: float, proposed: int, block: int | None, committed: Sequence[int],
+        tree: bool = False,
+    ) -> None:
+        """A timed cycle of the active rows that committed `committed[i]` tokens for row i (a draft of `block` and
+        its verify of `proposed` chain slots or tree nodes, or a plain step with block None): what the costs timed at
+        this batch size missed teaches the schedule (`loop`, and `loop(B)` for chains or trees), and each row's
+        statistics compare the cycle with plain steps for its tokens."""
+        batch = len(row_ids)
+        costs = self.schedule.costs_at(batch) if self.schedule is not None else None
         if costs is None:
             return
-        modelled = costs.plain if block is None else costs.cycle(proposed, block)
-        self.schedule.observe_loop(seconds - modelled, block)
-        stats = self.stats[row]
-        stats.plain_estimate_seconds += costs.plain * committed
-        stats.cycle_wall_seconds += seconds
+        if block is None:
+            modelled = costs.plain
+        else:
+            modelled = costs.draft_seconds(block) + costs.verify_seconds(proposed + 1)
+        self.schedule.observe_loop(seconds - modelled, block, batch, tree)
+        for row, tokens in zip(row_ids, committed):
+            stats = self.stats[row]
+            stats.plain_estimate_seconds += costs.plain * tokens
+            stats.cycle_wall_seconds += seconds
 
     def finish(self) -> None:
         """The call ended: label what the committed text settles and book each block's candidate coverage (the
@@ -208,30 +253,102 @@ class SpeculationEngine:
     def _draftable_share(self, row: int) -> float:
         return draftable_share(self.answers[row][-DRAFTABLE_WINDOW:], self.draft_vocabulary)
 
-    def _proposal_length(self, proposal: DraftProposal, row_ids: Sequence[int], cap: int, blind: bool) -> int:
-        """How many drafted slots to propose, and under the cost-aware schedule how many plain steps to take next."""
+    def _proposal_length(
+        self, proposal: DraftProposal, row_ids: Sequence[int], cap: int, blind: bool
+    ) -> tuple[int, DraftTrees | None]:
+        """What to verify: the chain's first k slots, or the rows' draft trees (k = 0); and under the cost-aware
+        schedule how many plain steps to take next."""
         drafted, draftable, gain = proposal.tokens.shape[1], self._draftable, self._plan.gain
         for row in row_ids:
             self.stats[row].observe_drafted_block(drafted + 1)
+        scores = tree_scores(proposal) if self.tree_budget else None
+        nodes = self._tree_nodes(scores) if scores is not None else None
+        device = proposal.tokens.device
         if self.schedule is None:
             self._keep(proposal, row_ids, None, None, None, draftable)
-            return cap
-        confidence = slot_confidence(
-            proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
-        )  # [b, S]
-        # One read for both: float64 holds every token id exactly.
-        confidence, tokens = torch.stack([confidence.double(), proposal.tokens.double()]).tolist()  # [b][S] each
+            if nodes is None:
+                return cap, None
+            trees = draft_trees(scores, nodes, device)
+            self._trees = (trees, scores)
+            return 0, trees
+        if scores is not None:  # the chain is the trees' all-rank-0 path: read with the trees' scores
+            confidence, tokens = map(list, zip(*(chain_of(scores, i) for i in range(len(row_ids)))))
+        else:
+            confidence = slot_confidence(
+                proposal.candidate_logits, proposal.chosen, proposal.transition_scores, proposal.first_slot_scores
+            )  # [b, S]
+            # One read for both: float64 holds every token id exactly.
+            confidence, tokens = torch.stack([confidence.double(), proposal.tokens.double()]).tolist()  # [b][S] each
         acceptance = self.schedule.acceptance
         predicted = [acceptance.predict(c, self.recent[row], d) for c, row, d in zip(confidence, row_ids, draftable)]
-        choice = self.schedule.choose_batch(predicted, cap, self.floor, drafted + 1)
+        expected_trees = None
+        if nodes is not None:
+            expected_trees = [self._tree_expected(row_nodes, self.recent[row], share)
+                              for row_nodes, row, share in zip(nodes, row_ids, draftable)]
+        choice = self.schedule.choose_batch(predicted, cap, self.floor, drafted + 1, trees=expected_trees)
         for row_confidence in confidence:
             acceptance.note_drafted(row_confidence)
+        trees = draft_trees(scores, [row[: choice.tree] for row in nodes], device) if choice.tree else None
         if blind:  # the call's first assisted draft precedes the prompt's forward: it has no context to go by
             self._keep(proposal, row_ids, None, None, None, draftable)
-        else:
-            self._keep(proposal, row_ids, [[int(t) for t in row] for row in tokens], confidence, predicted, draftable)
+        else:  # a tree cycle learns from its nodes' labels instead (`_learn_from_trees`)
+            learned = trees is None
+            self._keep(proposal, row_ids, [[int(t) for t in row] for row in tokens] if learned else None, confidence,
+                       predicted, draftable)
             self.plain_run = self.plain_left = next_plain_run(gain, self.plain_run)
-        return choice.k
+        if trees is not None:
+            self._trees = (trees, scores)
+        return choice.k, trees
+
+    def _tree_nodes(self, scores: TreeScores) -> list[list[TreeNode]]:
+        """Each row's `tree_budget` most likely draft-tree nodes, best first (`trees.best_first`)."""
+        transitions = scores.transitions
+        return [best_first(scores.first[i], transitions[i] if transitions is not None else None, scores.marginals[i],
+                           self.tree_budget) for i in range(len(scores.first))]
+
+    def _tree_expected(self, nodes: list[TreeNode], recent: float, draftable: float) -> list[float]:
+        """E[committed] of the tree of the first N of `nodes` for N = 0, 1, ...: 1 + the sum of each node's
+        probability of being accepted (its path's predicted acceptances multiplied); the first N nodes of a
+        best-first order hold every one's parent, so each prefix is a tree."""
+        features = [node.features(node.parent < 0 or nodes[node.parent].on_chain) for node in nodes]
+        predicted = self.schedule.acceptance.predict_nodes(features, recent, draftable)
+        reach, expected = [], [1.0]
+        for node, p in zip(nodes, predicted):
+            reach.append(p * (reach[node.parent] if node.parent >= 0 else 1.0))
+            expected.append(expected[-1] + reach[-1])
+        return expected
+
+    def _learn_from_trees(
+        self,
+        trees: DraftTrees,
+        scores: TreeScores,
+        row_ids: Sequence[int],
+        path: Sequence[Sequence[int]],
+        accepted: Sequence[int],
+        path_tokens: Sequence[Sequence[int]],
+    ) -> None:
+        """What a verified tree teaches: every node whose parent was accepted is labelled (the acceptance fit learns
+        from them, and the running acceptance from the chain's slot-1 node); after each accepted node with a next
+        slot, whether the target's next token was its best child as the walk ranks that node's children and as
+        the slot's marginals rank them (`DCOCOStats.next_after_accepted`)."""
+        labels = node_labels(trees, list(path), list(accepted), list(path_tokens))
+        for i, row in enumerate(row_ids):
+            if self.schedule is not None and labels[i]:
+                features = [node.features(parent_on_chain) for node, _, parent_on_chain in labels[i]]
+                outcomes = [label for _, label, _ in labels[i]]
+                self.schedule.acceptance.observe_nodes(features, outcomes, self.recent[row], self._draftable[i])
+                first = [label for node, label, _ in labels[i] if node.parent < 0 and node.on_chain]
+                if first:
+                    self.recent[row] = update_recent(self.recent[row], first[0])
+            candidates, nodes = scores.candidates[i], trees.nodes[i]
+            for depth in range(1, accepted[i] + 1):
+                node = nodes[path[i][depth] - 1]
+                if node.slot + 1 >= len(candidates):
+                    continue
+                following = candidates[node.slot + 1]
+                walk_best = following[scores.best_successor[i][node.slot][node.candidate]]
+                target = path_tokens[i][depth]
+                self.stats[row].observe_next_after_accepted(node.on_chain, walk_best == target, following[0] == target)
 
     def _keep(self, proposal: DraftProposal, row_ids, tokens, confidence, predicted, draftable) -> None:
         """Keep each row's block for its candidate coverage and, with `tokens` (host lists), for the fit."""

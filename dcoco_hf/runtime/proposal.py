@@ -38,7 +38,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -84,29 +84,36 @@ def isotonic(values: Sequence[float]) -> list[float]:
 
 @dataclass
 class CycleCosts:
-    """Seconds of the parts of one speculation cycle on one device, for one target and drafter.
+    """Seconds of the parts of one speculation cycle on one device, for one target and drafter, at one batch size.
 
-    verify[n - 1]: a target forward of n rows on a cached context (n = 1 is a plain decoding step);
-    draft[B]: drafting and correcting a block of B; both non-decreasing (a monotone fit of medians).
-    spread: the timings' median relative interquartile range (how noisy the machine was while timing).
+    verify[n - 1]: a target forward of n columns for each of `batch` rows on a cached context (n = 1 is a plain
+    decoding step of the batch); draft[B]: drafting and correcting a block of B for each row; both non-decreasing
+    (a monotone fit of medians; widths timed sparsely are interpolated). spread: the timings' median relative
+    interquartile range (how noisy the machine was while timing).
     """
 
     verify: list[float]
     draft: dict[int, float]
     spread: float = 0.0
+    batch: int = 1
 
     @classmethod
-    def fit(cls, verify: Mapping[int, Sequence[float]], draft: Mapping[int, Sequence[float]]) -> CycleCosts:
-        """From repeated timings per size ({rows: [seconds]}, {block: [seconds]}): medians, made monotone."""
-        rows = sorted(verify)
-        if rows != list(range(1, len(rows) + 1)):
-            raise ValueError(f"verify timings must cover 1..n rows, got {rows}")
+    def fit(
+        cls, verify: Mapping[int, Sequence[float]], draft: Mapping[int, Sequence[float]], batch: int = 1
+    ) -> CycleCosts:
+        """From repeated timings per size ({columns: [seconds]}, {block: [seconds]}): medians, made monotone; verify
+        widths between two timed ones are interpolated linearly (1 and the widest must be timed)."""
+        widths = sorted(verify)
+        if not widths or widths[0] != 1:
+            raise ValueError(f"verify timings must start at 1 column (a plain step), got {widths}")
         blocks = sorted(draft)
         spreads = [_relative_iqr(samples) for samples in [*verify.values(), *draft.values()]]
+        medians = isotonic([statistics.median(verify[n]) for n in widths])
         return cls(
-            verify=isotonic([statistics.median(verify[n]) for n in rows]),
+            verify=[_interpolate(widths, medians, n) for n in range(1, widths[-1] + 1)],
             draft=dict(zip(blocks, isotonic([statistics.median(draft[b]) for b in blocks]))),
             spread=statistics.median(spreads) if spreads else 0.0,
+            batch=batch,
         )
 
     @property
@@ -115,20 +122,44 @@ class CycleCosts:
 
     @property
     def max_rows(self) -> int:
+        """The widest verify forward timed (columns per row)."""
         return len(self.verify)
+
+    def verify_seconds(self, columns: int) -> float:
+        """A verify forward of `columns` per row: timed, or beyond the widest timed the last step's slope
+        continued (a tree wider than any block)."""
+        if columns <= self.max_rows:
+            return self.verify[columns - 1]
+        slope = self.verify[-1] - self.verify[-2] if self.max_rows > 1 else self.verify[-1]
+        return self.verify[-1] + slope * (columns - self.max_rows)
 
     def cycle(self, k: int, block: int) -> float:
         """Seconds of a cycle proposing k tokens of a drafted block of `block` (k = 0: a plain step, no draft)."""
         if k == 0:
             return self.plain
-        return self.draft_seconds(block) + self.verify[min(k, self.max_rows - 1)]
+        return self.draft_seconds(block) + self.verify_seconds(k + 1)
 
     def draft_seconds(self, block: int) -> float:
         timed = [b for b in self.draft if b >= block] or [max(self.draft)]
         return self.draft[min(timed)]
 
+    def between(self, other: CycleCosts, batch: int) -> CycleCosts:
+        """The costs at a batch size between this one's and `other`'s, each part interpolated linearly in the
+        batch size (a forward's work grows with its rows; rows finishing shrink a call's batch)."""
+        low, high = (self, other) if self.batch <= other.batch else (other, self)
+        share = 0.0 if high.batch == low.batch else (batch - low.batch) / (high.batch - low.batch)
+        width = min(low.max_rows, high.max_rows)
+        blocks = sorted(set(low.draft) & set(high.draft))
+        return CycleCosts(
+            verify=[a + share * (b - a) for a, b in zip(low.verify[:width], high.verify[:width])],
+            draft={block: low.draft[block] + share * (high.draft[block] - low.draft[block]) for block in blocks},
+            spread=max(low.spread, high.spread),
+            batch=batch,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return {"verify": self.verify, "draft": {str(b): s for b, s in self.draft.items()}, "spread": self.spread}
+        return {"verify": self.verify, "draft": {str(b): s for b, s in self.draft.items()}, "spread": self.spread,
+                "batch": self.batch}
 
     @classmethod
     def from_dict(cls, data: Any) -> CycleCosts:
@@ -136,16 +167,38 @@ class CycleCosts:
         if not isinstance(data, Mapping):
             raise ValueError("cycle costs must be a mapping")
         verify, draft, spread = data.get("verify"), data.get("draft"), data.get("spread", 0.0)
+        batch = data.get("batch", 1)
         if not isinstance(verify, list) or not verify or not isinstance(draft, Mapping) or not draft:
             raise ValueError("cycle costs need a non-empty 'verify' list and 'draft' mapping")
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 4096:
+            raise ValueError(f"a batch size of {batch!r}")
         verify = [_positive_seconds(v) for v in verify]
         draft = {int(b): _positive_seconds(s) for b, s in draft.items()}
+        spread = _spread(spread)
         if verify != isotonic(verify) or any(not 2 <= b <= 64 for b in draft) or len(verify) > 128:
             raise ValueError("cycle costs out of range (verify must be non-decreasing, blocks in [2, 64])")
-        return cls(verify, draft, float(spread))
+        return cls(verify, draft, spread, batch)
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
+    """ys at x, linear between the neighbouring xs (ascending, x within their range)."""
+    right = next(i for i, known in enumerate(xs) if known >= x)
+    if xs[right] == x or right == 0:
+        return ys[right]
+    x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _spread(value: Any) -> float:
+    spread = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(spread) and spread >= 0.0):
+        raise ValueError(f"a spread of {value!r}")
+    return spread
 
 
 def _positive_seconds(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"a cost of {value!r} seconds")
     seconds = float(value)
     if not (math.isfinite(seconds) and 0.0 < seconds < 3600.0):
         raise ValueError(f"a cost of {value!r} seconds")
@@ -189,6 +242,18 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
+class NodeFeatures(NamedTuple):
+    """What predicts a draft-tree node's acceptance given its parent's (`trees.py`): the slot it fills, its
+    confidence (the probability its parent's successor scores give it), its share of its best sibling's (1 on the
+    chain), and whether its parent is off the chain (a block drafter's guesses after an accepted sibling are worse:
+    its marginals are conditioned on the chain)."""
+
+    slot: int
+    confidence: float
+    sibling_share: float
+    parent_off_chain: bool
+
+
 class AcceptanceModel:
     """p_j = sigmoid(bias_j + w_conf * logit(confidence_j) + w_recent * (logit(recent) - logit(prior_1)) + w_vocab *
     (draftable - 1)), fitted online by logistic SGD on every labelled slot.
@@ -196,12 +261,17 @@ class AcceptanceModel:
     recent: the call's running slot-1 acceptance; draftable: the share of the last committed tokens inside the
     drafter's draft vocabulary (1 without one), a signal read before anything is spent: text in a script the draft
     vocabulary lacks cannot be drafted. It starts at the prior (w_conf = 0), with both call-level features shifting
-    every slot alike until the fit says otherwise."""
+    every slot alike until the fit says otherwise.
+
+    A draft tree's nodes (`NodeFeatures`) add two terms, both zero on the chain: w_share * log(sibling_share), which
+    starts at 1 (a sibling is accepted about as often as its share of the best sibling's probability says), and
+    w_off * parent_off_chain, which starts at 0 and learns what a parent off the chain costs."""
 
     def __init__(self, prior: Sequence[float], learning_rate: float = _LEARNING_RATE) -> None:
         self.prior = list(prior)
         self.bias = [_logit(p) for p in prior]
         self.weights = [0.0, 1.0, 2.0]  # confidence, recent, draftable
+        self.node_weights = [1.0, 0.0]  # log(sibling share), parent off the chain: zero features on the chain
         self.learning_rate = learning_rate
         self.observed = 0
         self._typical_logit: list[float | None] = [None] * len(prior)  # per slot, recent drafts' mean confidence
@@ -220,6 +290,28 @@ class AcceptanceModel:
     def predict(self, confidence: Sequence[float], recent: float, draftable: float = 1.0) -> list[float]:
         """Chain acceptance per slot for a block whose slots have these confidences."""
         return [self._p(slot, self._features(c, recent, draftable)) for slot, c in enumerate(confidence[: self.slots])]
+
+    def predict_nodes(self, nodes: Sequence[NodeFeatures], recent: float, draftable: float = 1.0) -> list[float]:
+        """Each tree node's chance of acceptance given its parent's."""
+        return [self._p_node(node, recent, draftable)[0] for node in nodes]
+
+    def observe_nodes(
+        self, nodes: Sequence[NodeFeatures], labels: Sequence[bool], recent: float, draftable: float = 1.0
+    ) -> None:
+        """Tree nodes whose parent was accepted, labelled by whether the target's token there was theirs."""
+        for node, label in zip(nodes, labels):
+            p, features, extra = self._p_node(node, recent, draftable)
+            gradient = p - float(label)
+            self.bias[node.slot] -= self.learning_rate * gradient
+            self.weights = [w - self.learning_rate * gradient * x for w, x in zip(self.weights, features)]
+            self.node_weights = [w - self.learning_rate * gradient * x for w, x in zip(self.node_weights, extra)]
+            self.observed += 1
+
+    def _p_node(self, node: NodeFeatures, recent: float, draftable: float) -> tuple[float, tuple, tuple]:
+        features = self._features(node.confidence, recent, draftable)
+        extra = (math.log(max(node.sibling_share, _EPS)), float(node.parent_off_chain))
+        chain = self.bias[min(node.slot, self.slots - 1)] + sum(w * x for w, x in zip(self.weights, features))
+        return _sigmoid(chain + sum(w * x for w, x in zip(self.node_weights, extra))), features, extra
 
     def note_drafted(self, confidence: Sequence[float]) -> None:
         """One drafted block's slot confidences, for `typical` (a running mean of their logits per slot) and
@@ -287,12 +379,14 @@ def slot_confidence(
 
 @dataclass(frozen=True)
 class ProposalChoice:
-    """k: tokens to propose; expected: expected tokens committed by that cycle; gain: its expected tokens per second
-    over a plain step's (below 1: drafting did not pay this cycle)."""
+    """k: tokens to propose on the chain; tree: the nodes of the draft tree to verify instead (0: the chain);
+    expected: expected tokens committed by that cycle, per row; gain: its expected tokens per second over a plain
+    step's (below 1: drafting did not pay this cycle)."""
 
     k: int
     expected: float
     gain: float
+    tree: int = 0
 
 
 @dataclass(frozen=True)
@@ -318,52 +412,128 @@ def expected_tokens(predicted: Sequence[float], cap: int, floor: float) -> list[
 
 @dataclass
 class ProposalSchedule:
-    """What the cost-aware schedule keeps across the calls of one attached drafter: the costs of this device and
-    the acceptance fit. `costs` None (an untuned drafter) proposes every slot, like the constant schedule."""
+    """What the cost-aware schedule keeps across the calls of one attached drafter: the costs of this device (one
+    row: `costs`; other batch sizes: `batch_costs`, timed when a batched call first needs them) and the acceptance fit.
+    `costs` None (an untuned drafter) proposes every slot, like the constant schedule.
+
+    What the timed costs miss is learned from the cycles' own wall times, per batch size: every cycle's (`loop`),
+    and each drafted block's, chain or tree, from the cycles that drafted it (a draft or a verify width that runs
+    slower in the loop than when timed alone moves the next choices; a tree's mask and reordering are paid there).
+    """
 
     costs: CycleCosts | None
     acceptance: AcceptanceModel
-    loop_seconds: float = 0.0  # per-cycle time outside the timed forwards, refined from the cycles themselves
-    # The same, per drafted block, from the cycles that drafted it: what the timed costs miss for that block (a
-    # draft or a verify width that runs slower in the loop than when timed alone) moves the next choices.
-    block_loop: dict[int, float] = field(default_factory=dict)
-    _loop_samples: int = field(default=0, repr=False)
-    _block_samples: dict[int, int] = field(default_factory=dict, repr=False)
+    batch_costs: dict[int, CycleCosts] = field(default_factory=dict)
+    # False: `costs` stand for every batch size (costs a caller set by hand: nothing is timed per batch then)
+    per_batch: bool = True
+    _loops: dict[tuple[int, int | None, bool], tuple[float, int]] = field(default_factory=dict, repr=False)
 
-    def cycle_seconds(self, block: int) -> list[float]:
-        """The modelled wall time of a cycle drafting `block` and proposing k of it, for k = 0 .. block - 1."""
-        return [self.costs.cycle(k, block) + self.loop_for(block) for k in range(block)]
+    # ---------------------------------------------------------------------------------------- costs per batch
 
-    def loop_for(self, block: int) -> float:
-        """The time outside the modelled forwards of a cycle drafting `block`: its own cycles', else every cycle's."""
-        return self.block_loop.get(block, self.loop_seconds)
+    def costs_at(self, batch: int) -> CycleCosts | None:
+        """The costs at `batch` rows: timed, or interpolated between the nearest timed batch sizes; None when none
+        is timed at or above it (the caller times it: `DCOCODrafter.time_batch`)."""
+        if not self.per_batch:
+            return self.costs
+        timed = {1: self.costs, **self.batch_costs} if self.costs is not None else dict(self.batch_costs)
+        if batch in timed:
+            return timed[batch]
+        below = [size for size in timed if size < batch]
+        above = [size for size in timed if size > batch]
+        if not below or not above:
+            return None
+        return timed[max(below)].between(timed[min(above)], batch)
+
+    def needs_timing(self, batch: int) -> bool:
+        """Whether a call of `batch` rows needs its costs timed first (tuned, and no timed size at or above it)."""
+        return self.costs is not None and self.costs_at(batch) is None
+
+    # ---------------------------------------------------------------------------------------- the loop's share
+
+    @property
+    def loop_seconds(self) -> float:
+        """Per cycle of one row, the time outside the modelled forwards (every cycle's)."""
+        return self.loop_for(None)
+
+    def loop_for(self, block: int | None, batch: int = 1, tree: bool = False) -> float:
+        """The time outside the modelled forwards of a cycle drafting `block` (None: any cycle) at `batch` rows,
+        verifying a tree or a chain: its own cycles', else every cycle's at that batch size, else one row's."""
+        for key in ((batch, block, tree), (batch, block, False), (batch, None, False), (1, None, False)):
+            if key in self._loops:
+                return self._loops[key][0]
+        return 0.0
+
+    def observe_loop(self, seconds: float, block: int | None = None, batch: int = 1, tree: bool = False) -> None:
+        """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0) at this
+        batch size, and that of the drafted `block`'s (chain or tree) when the cycle was one draft and its verify
+        (no plain steps in it)."""
+        keys = [(batch, None, False)] + ([(batch, block, tree)] if block is not None else [])
+        for key in keys:
+            mean, samples = self._loops.get(key, (self.loop_for(key[1], batch, tree), 0))
+            self._loops[key] = (_running_mean(mean, seconds, samples + 1), samples + 1)
+
+    def cycle_seconds(self, block: int, batch: int = 1) -> list[float]:
+        """The modelled wall time of a cycle drafting `block` and proposing k of its chain, for k = 0 .. block - 1,
+        at `batch` rows (k = 0: a plain step)."""
+        costs = self.costs_at(batch)
+        return [costs.plain + self.loop_for(None, batch)] + [
+            costs.cycle(k, block) + self.loop_for(block, batch) for k in range(1, block)
+        ]
+
+    def tree_seconds(self, block: int, nodes: int, batch: int = 1) -> float:
+        """The modelled wall time of a cycle drafting `block` and verifying a tree of `nodes` nodes per row."""
+        costs = self.costs_at(batch)
+        return costs.draft_seconds(block) + costs.verify_seconds(nodes + 1) + self.loop_for(block, batch, tree=True)
+
+    # ---------------------------------------------------------------------------------------- the choices
 
     def choose(self, predicted: Sequence[float], cap: int, floor: float, block: int) -> ProposalChoice:
         """The k in [1, cap] of most expected tokens per second, cut before the first slot predicted below `floor`
         (transformers' `assistant_confidence_threshold`); a cycle that drafted proposes at least one token."""
         return self.choose_batch([predicted], cap, floor, block)
 
-    def choose_batch(self, predicted: Sequence[Sequence[float]], cap: int, floor: float, block: int) -> ProposalChoice:
-        """`choose` for one k shared by the rows of a batch (one verify forward of k + 1 columns): the k of most
-        expected tokens, summed over the rows, per second; `expected` and `gain` are per row."""
+    def choose_batch(
+        self,
+        predicted: Sequence[Sequence[float]],
+        cap: int,
+        floor: float,
+        block: int,
+        trees: Sequence[Sequence[float]] | None = None,
+    ) -> ProposalChoice:
+        """`choose` for the rows of a batch, which share one verify forward: the chain's k (k + 1 columns) or, with
+        `trees` (per row, the expected tokens of its draft tree of N nodes for N = 0, 1, ...), the tree size N (N + 1
+        columns) of most expected tokens, summed over the rows, per second at this batch size; `expected` and
+        `gain` are per row. Without costs: every slot (or the whole tree)."""
         per_row = [expected_tokens(row, cap, floor) for row in predicted]
         width = max((len(expected) for expected in per_row), default=1)  # a row's proposals end where it is cut
         totals = [sum(expected[min(k, len(expected) - 1)] for expected in per_row) for k in range(width)]
         rows = max(len(predicted), 1)
-        if self.costs is None:
+        tree_totals = [sum(row[n] for row in trees) for n in range(min(map(len, trees)))] if trees else []
+        costs = self.costs_at(rows)
+        if costs is None:
+            if len(tree_totals) > 1:
+                n = len(tree_totals) - 1
+                return ProposalChoice(0, tree_totals[n] / rows, 1.0, tree=n)
             k = len(totals) - 1
             return ProposalChoice(k, totals[k] / rows, 1.0)
-        seconds = self.cycle_seconds(block)
+        seconds = self.cycle_seconds(block, rows)
+        plain_rate = rows / seconds[0]
         k = fastest_length(totals, seconds)
-        return ProposalChoice(k, totals[k] / rows, totals[k] / seconds[k] * (self.costs.plain + self.loop_seconds) / rows)
+        best = ProposalChoice(k, totals[k] / rows, totals[k] / seconds[k] / plain_rate)
+        for n in range(1, len(tree_totals)):
+            gain = tree_totals[n] / self.tree_seconds(block, n, rows) / plain_rate
+            if gain > best.gain:
+                best = ProposalChoice(0, tree_totals[n] / rows, gain, tree=n)
+        return best
 
-    def plan_draft(self, recent: float, draftable: float, cap: int, floor: float) -> DraftPlan:
+    def plan_draft(self, recent: float, draftable: float, cap: int, floor: float, batch: int = 1) -> DraftPlan:
         """Before a draft: the timed block (at most cap + 1: the anchor and `cap` slots) of most expected tokens per
-        second when each recent draft (`AcceptanceModel.recent_drafts`, slots it did not draft at their typical
-        confidence) is predicted with the call's running acceptance `recent` and `draftable` share now and proposed
-        at its own best k; the smaller block on a tie. Without costs: the largest block, gain 1."""
+        second at `batch` rows when each recent draft (`AcceptanceModel.recent_drafts`, slots it did not draft at
+        their typical confidence) is predicted with the call's running acceptance `recent` and `draftable` share now
+        and proposed at its own best k; the smaller block on a tie. Without costs: the largest block, gain 1."""
         acceptance = self.acceptance
-        if self.costs is None:
+        costs = self.costs_at(batch)
+        if costs is None:
             return DraftPlan(max(2, min(cap + 1, acceptance.slots + 1)), 1.0)
         typical = acceptance.typical()
         drafts = acceptance.recent_drafts or [typical]
@@ -372,27 +542,17 @@ class ProposalSchedule:
             for c in drafts
         ]  # [drafts][k + 1]
         reach = min(cap, acceptance.slots)
-        sizes = [b for b in sorted(self.costs.draft) if b - 1 <= reach] or [min(self.costs.draft)]
-        plain = self.costs.plain + self.loop_seconds
+        sizes = [b for b in sorted(costs.draft) if b - 1 <= reach] or [min(costs.draft)]
         best = DraftPlan(sizes[0], -1.0)
         for block in sizes:
-            costs = self.cycle_seconds(block)  # [k]
-            tokens = seconds = 0.0
+            seconds = self.cycle_seconds(block, batch)  # [k]
+            tokens = spent = 0.0
             for expected in forecasts:
-                k = fastest_length(expected, costs)
-                tokens, seconds = tokens + expected[k], seconds + costs[k]
-            if tokens / seconds * plain > best.gain:
-                best = DraftPlan(block, tokens / seconds * plain)
+                k = fastest_length(expected, seconds)
+                tokens, spent = tokens + expected[k], spent + seconds[k]
+            if tokens / spent * seconds[0] > best.gain:
+                best = DraftPlan(block, tokens / spent * seconds[0])
         return best
-
-    def observe_loop(self, seconds: float, block: int | None = None) -> None:
-        """A cycle's wall time less its modelled forwards, per forward: the running mean of the rest (never below 0),
-        and that of the drafted `block`'s when the cycle was one draft and its verify (no plain steps in it)."""
-        self._loop_samples += 1
-        self.loop_seconds = _running_mean(self.loop_seconds, seconds, self._loop_samples)
-        if block is not None:
-            samples = self._block_samples[block] = self._block_samples.get(block, 0) + 1
-            self.block_loop[block] = _running_mean(self.loop_for(block), seconds, samples)
 
 
 def fastest_length(expected: Sequence[float], seconds: Sequence[float]) -> int:
@@ -434,7 +594,8 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 
 __all__ = [
-    "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan", "ProposalChoice", "ProposalSchedule",
+    "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan", "NodeFeatures", "ProposalChoice",
+    "ProposalSchedule",
     "chain_labels", "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
     "next_plain_run", "slot_confidence", "update_recent",
 ]

@@ -25,7 +25,8 @@ _SLOT_COUNTERS = (
 )
 _SCALAR_COUNTERS = (
     "cycles", "committed_tokens", "target_forwards", "drafter_seconds", "corrector_seconds", "target_seconds",
-    "prefill_seconds", "plain_estimate_seconds", "cycle_wall_seconds",
+    "prefill_seconds", "plain_estimate_seconds", "cycle_wall_seconds", "tree_cycles", "tree_nodes", "after_sibling",
+    "after_sibling_walk", "after_sibling_marginal", "after_chain", "after_chain_walk", "after_chain_marginal",
 )
 
 
@@ -74,6 +75,18 @@ class DCOCOStats:
     # step), and their wall time
     plain_estimate_seconds: float = 0.0
     cycle_wall_seconds: float = 0.0
+    # draft trees (`trees.py`): cycles that verified a tree instead of a chain, and their nodes
+    tree_cycles: int = 0
+    tree_nodes: int = 0
+    # after the target accepted a tree node off the chain (a sibling), or on it, with a next slot drafted: how often
+    # the next token was the best child as the walk's scores rank that node's children (the corrector re-ranks them
+    # for it) and as the slot's marginals rank them (whatever the parent: a drafter without a corrector)
+    after_sibling: int = 0
+    after_sibling_walk: int = 0
+    after_sibling_marginal: int = 0
+    after_chain: int = 0
+    after_chain_walk: int = 0
+    after_chain_marginal: int = 0
 
     def __post_init__(self) -> None:
         self._grow(self.block_size - 1)
@@ -97,6 +110,23 @@ class DCOCOStats:
             self.slot_proposed[slot] += 1
             self.slot_reached[slot] += slot <= accepted
             self.slot_accepted[slot] += slot < accepted
+
+    def observe_tree(self, nodes: int, accepted: int, committed: int) -> None:
+        """One verified draft tree of `nodes` nodes: `accepted` of them on the target's path, `committed` tokens
+        written (accepted + the target's own, cut at the budget or an EOS)."""
+        self.cycles += 1
+        self.tree_cycles += 1
+        self.tree_nodes += nodes
+        self.committed_tokens += committed
+        self.accepted.append(accepted)
+
+    def observe_next_after_accepted(self, on_chain: bool, walk_hit: bool, marginal_hit: bool) -> None:
+        """An accepted tree node with a next slot drafted: whether the target's next token was its best child under
+        the walk's scores (`walk_hit`) and under the next slot's marginals (`marginal_hit`)."""
+        prefix = "after_chain" if on_chain else "after_sibling"
+        setattr(self, prefix, getattr(self, prefix) + 1)
+        setattr(self, f"{prefix}_walk", getattr(self, f"{prefix}_walk") + walk_hit)
+        setattr(self, f"{prefix}_marginal", getattr(self, f"{prefix}_marginal") + marginal_hit)
 
     def observe_plain_steps(self, count: int = 1, committed: int = 0) -> None:
         """`count` plain 1-token steps taken instead of a draft (proposal length 0), committing `committed` tokens."""
@@ -199,6 +229,17 @@ class DCOCOStats:
         """Plain steps' estimated time for the timed cycles' tokens less their wall time (negative: time lost)."""
         return self.plain_estimate_seconds - self.cycle_wall_seconds if self.cycle_wall_seconds else None
 
+    def next_after_accepted(self) -> dict[str, float | int | None]:
+        """After an accepted tree node off the chain (a sibling) and on it: how often the next token was the node's
+        best child under the walk's scores and under the slot's marginals, and how many such nodes there were."""
+        rates: dict[str, float | int | None] = {}
+        for prefix in ("after_sibling", "after_chain"):
+            seen = getattr(self, prefix)
+            rates[f"{prefix}_nodes"] = seen
+            for ranking in ("walk", "marginal"):
+                rates[f"{prefix}_{ranking}"] = getattr(self, f"{prefix}_{ranking}") / seen if seen else None
+        return rates
+
     def predicted_accept(self) -> list[float | None]:
         """Per slot, the mean acceptance the schedule predicted over the blocks that reached the slot."""
         return [p / n if n else None for p, n in zip(self.slot_predicted, self.slot_labelled)]
@@ -223,6 +264,9 @@ class DCOCOStats:
             "predicted_accept": self.predicted_accept(),
             "observed_accept": _ratios(self.slot_label_accepted, self.slot_labelled),
             "seconds_saved": self.seconds_saved,
+            "tree_cycles": self.tree_cycles,
+            "mean_tree_nodes": self.tree_nodes / self.tree_cycles if self.tree_cycles else None,
+            **self.next_after_accepted(),
             "drafter_seconds": self.drafter_seconds,
             "corrector_seconds": self.corrector_seconds,
             "target_seconds": self.target_seconds,

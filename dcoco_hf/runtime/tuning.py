@@ -7,15 +7,18 @@ three things decide it, each measured once per machine and model pair:
   ``"sdpa_cpu_gqa"`` (`cpu_attention.py`) lets torch's CPU kernel do grouped heads itself;
 * the linear layers: torch's CPU GEMM is slow for 2-16 rows, so each model gets the few-rows layout measured fastest
   here (`cpu_linear.py`);
-* the cycle's costs: a plain step, a verify forward of 2..B rows, a draft (`block_choice.measure_cycle_costs`), which
-  the default cost-aware schedule weighs every cycle to size its proposal (`proposal.py`), and from which the
-  constant schedule takes DScout's block of highest recorded tau per cycle time; on a GPU these are the only ones.
+* the cycle's costs: a plain step, a verify forward of 2..B rows (and of a draft tree's, up to `tree_budget` + 1), a
+  draft (`block_choice.measure_cycle_costs`), which the default cost-aware schedule weighs every cycle to size its
+  proposal (`proposal.py`), and from which the constant schedule takes DScout's block of highest recorded tau per
+  cycle time; on a GPU these are the only ones. A batched call times the same parts at its batch size the first
+  time one is needed (`time_batch`, a power of two at or above it; sizes between timed ones are interpolated).
 
 Plain 1-token steps keep transformers' own attention and `F.linear`, so plain `generate()` of the target is
 bit-identical while attached, and `untune` (called by `drafter.detach()`) restores it exactly.
 
 The measurements are cached on disk (`cache_dir()`), keyed by the machine, torch, the thread count and both models'
-configs, so a second process reuses them: loading from the cache takes no timing at all.
+configs, so a second process reuses them: loading from the cache takes no timing at all; batch sizes timed later are
+added to the same file.
 """
 
 from __future__ import annotations
@@ -49,14 +52,14 @@ from .cpu_linear import (
     use_few_rows_linear,
 )
 from .hf_compat import attention_implementation
-from .logs import logger
+from .logs import log, logger
 from .proposal import COST_SCHEDULE, CycleCosts
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
 
 # Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Tuning:
     drafter_layout: dict[int, str] | None = None
     block_choice: BlockSizeChoice | None = None
     costs: CycleCosts | None = None  # the cycle's parts timed here: what the cost-aware schedule weighs
+    batch_costs: dict[int, CycleCosts] = field(default_factory=dict)  # the same at other batch sizes (`time_batch`)
     block_size: int | None = None  # the block drafted after tuning
     configured_block_size: int | None = None  # the drafter's block before it
     cache_file: Path | None = None
@@ -164,7 +168,7 @@ def tune(
     key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
     layouts = on_cpu and few_rows_linear
-    cached = None if refresh else _read(path, max_rows if layouts else None, blocks)
+    cached = None if refresh else _read(path, max_rows if layouts else None, blocks, verify_width(drafter, blocks))
     tuning.cache_file, tuning.from_cache = path, cached is not None
     cached = cached or {}
 
@@ -173,9 +177,11 @@ def tune(
         tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
     # After the layouts: the costs are those of the forwards as they will run.
     cached_costs = cached.get("cycle_costs")  # checked by _read
+    widest = verify_width(drafter, blocks)
     tuning.costs = CycleCosts.from_dict(cached_costs) if cached_costs else measure_cycle_costs(
-        target, drafter, blocks, max_rows=max(blocks)
+        target, drafter, blocks, max_rows=widest
     )
+    tuning.batch_costs = {int(size): CycleCosts.from_dict(costs) for size, costs in cached.get("batch_costs", {}).items()}
     if choices and not cost_aware:
         tuning.block_choice = choose_block_size(drafter, tuning.costs, choices)
         set_block_size(drafter, tuning.block_choice.block_size)
@@ -183,6 +189,31 @@ def tune(
     if path is not None and not tuning.from_cache:
         _write(path, tuning)
     return tuning
+
+
+def verify_width(drafter: DCOCODrafter, blocks: list[int]) -> int:
+    """The widest verify forward to time: the largest block, or a draft tree of `tree_budget` nodes and its anchor."""
+    return max(max(blocks), drafter.decoding.tree_budget + 1)
+
+
+def time_batch(drafter: DCOCODrafter, batch: int) -> CycleCosts:
+    """The cycle's costs at `batch` rows for the drafter's cost-aware schedule: timed at the power of two at or above
+    `batch` the first time (a batched call's start; logged), then read from the tuning and its cache file."""
+    tuning, schedule = drafter.tuning, drafter.proposal_schedule
+    size = 1 << (batch - 1).bit_length()
+    costs = tuning.batch_costs.get(size)
+    if costs is None:
+        blocks = sorted(tuning.costs.draft)
+        costs = measure_cycle_costs(drafter.target, drafter, blocks, max_rows=tuning.costs.max_rows, repeats=5,
+                                    batch=size)
+        tuning.batch_costs[size] = costs
+        log(f"timed the cycle at batch {size}: plain step {1e3 * costs.plain:.1f} ms, verify of "
+            f"{costs.max_rows} columns {costs.verify[-1] / costs.plain:.2f}x it (spread {100 * costs.spread:.0f}%)"
+            + (f"; cached in {tuning.cache_file}" if tuning.cache_file is not None else ""))
+        if tuning.cache_file is not None:
+            _write(tuning.cache_file, tuning)
+    schedule.batch_costs[size] = costs
+    return costs
 
 
 def draft_sizes(largest: int) -> list[int]:
@@ -255,10 +286,10 @@ def _model_identity(model: PreTrainedModel) -> dict[str, Any]:
     return {"config": config, "dtype": str(model.dtype), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _read(path: Path | None, max_rows: int | None, blocks: list[int]) -> dict[str, Any] | None:
+def _read(path: Path | None, max_rows: int | None, blocks: list[int], widest: int) -> dict[str, Any] | None:
     """The cached measurements in `path`, or None (measure again) when there are none or they are not exactly what
     this tuning would measure: `max_rows` the few-rows plans must cover (None: no plans), `blocks` the drafted
-    block sizes the cycle costs must cover."""
+    block sizes and `widest` the verify width the cycle costs must cover."""
     if path is None or not path.is_file():
         return None
     try:
@@ -266,14 +297,14 @@ def _read(path: Path | None, max_rows: int | None, blocks: list[int]) -> dict[st
     except (OSError, ValueError) as error:  # a torn or foreign file: measure again and overwrite it
         problem = f"unreadable: {error}"
     else:
-        problem = _cache_problem(data, max_rows, blocks)
+        problem = _cache_problem(data, max_rows, blocks, widest)
     if problem is None:
         return data
     logger.warning("ignoring the tuning cache %s (%s); measuring again", path, problem)
     return None
 
 
-def _cache_problem(data: Any, max_rows: int | None, blocks: list[int]) -> str | None:
+def _cache_problem(data: Any, max_rows: int | None, blocks: list[int], widest: int) -> str | None:
     """What is wrong with a cache file's contents, or None. Everything a later step reads is checked here, bounds
     included, so that a hand-edited or foreign file is measured again instead of crashing attach (or generate)."""
     if not isinstance(data, dict):
@@ -284,8 +315,19 @@ def _cache_problem(data: Any, max_rows: int | None, blocks: list[int]) -> str | 
         problem = _plan_problem(data.get(name), max_rows)
         if problem is not None:
             return f"{name}: {problem}"
-    problem = _costs_problem(data.get("cycle_costs"), blocks)
-    return None if problem is None else f"cycle_costs: {problem}"
+    problem = _costs_problem(data.get("cycle_costs"), blocks, widest)
+    if problem is not None:
+        return f"cycle_costs: {problem}"
+    batch_costs = data.get("batch_costs", {})
+    if not isinstance(batch_costs, dict):
+        return f"batch_costs: expected an object {{batch: costs}}, got {type(batch_costs).__name__}"
+    for size, costs in batch_costs.items():
+        problem = _costs_problem(costs, blocks, widest)
+        if problem is None and (not size.isdigit() or CycleCosts.from_dict(costs).batch != int(size)):
+            problem = f"timed at another batch size than {size!r}"
+        if problem is not None:
+            return f"batch_costs[{size}]: {problem}"
+    return None
 
 
 def _plan_problem(plan: Any, max_rows: int | None) -> str | None:
@@ -301,14 +343,14 @@ def _plan_problem(plan: Any, max_rows: int | None) -> str | None:
     return f"layouts {sorted(map(str, unknown))} not among {list(available_layouts())}" if unknown else None
 
 
-def _costs_problem(costs: Any, blocks: list[int]) -> str | None:
-    """Cycle costs must have a finite positive time for a verify of 1..max(blocks) rows and a draft of each block."""
+def _costs_problem(costs: Any, blocks: list[int], widest: int) -> str | None:
+    """Cycle costs must have a finite positive time for a verify of 1..`widest` columns and a draft of each block."""
     try:
         parsed = CycleCosts.from_dict(costs)
     except (TypeError, ValueError) as error:
         return str(error)
-    if parsed.max_rows != max(blocks) or sorted(parsed.draft) != blocks:
-        return f"cover {parsed.max_rows} rows and blocks {sorted(parsed.draft)}, expected {max(blocks)} and {blocks}"
+    if parsed.max_rows != widest or sorted(parsed.draft) != blocks:
+        return f"cover {parsed.max_rows} columns and blocks {sorted(parsed.draft)}, expected {widest} and {blocks}"
     return None
 
 
@@ -319,6 +361,7 @@ def _write(path: Path, tuning: Tuning) -> None:
         "target_layout": tuning.target_layout,
         "drafter_layout": tuning.drafter_layout,
         "cycle_costs": None if tuning.costs is None else tuning.costs.to_dict(),
+        "batch_costs": {str(size): costs.to_dict() for size, costs in sorted(tuning.batch_costs.items())},
     }
     temporary = None
     try:
@@ -334,4 +377,5 @@ def _write(path: Path, tuning: Tuning) -> None:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
 
-__all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "tune", "untune"]
+__all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "time_batch", "tune", "untune",
+           "verify_width"]
