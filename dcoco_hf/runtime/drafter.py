@@ -35,7 +35,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import cached_file
 
-from .candidate_generator import DCOCOCandidateGenerator
+from .candidate_generator import DCOCOCandidateGenerator, check_stopping_criteria
 from ..network.configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .device import device_sync
@@ -503,6 +503,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         second thread while one runs would mix their target states, so it is refused.
         """
         criteria = assisted_stopping_criteria()
+        check_stopping_criteria(criteria, scores_requested=assisted_loop_scores() is not None)
         if criteria is None and getattr(generation_config, "stop_strings", None):
             raise ValueError(
                 "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
