@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -84,6 +85,44 @@ def test_older_block_size_fields_fold_into_block_size():
         DCOCOConfig(block_size=3, max_block_size="6")
     with pytest.raises(ValueError, match=r"block_size=1: a block needs the anchor plus at least one mask slot"):
         DCOCOConfig(block_size=1, max_block_size=1)
+
+
+def test_a_block_size_beyond_the_positions_is_refused_at_load(tmp_path, drafter):
+    with pytest.raises(ValueError, match=r"block_size=1000000 .*max_position_embeddings=40960"):
+        DCOCOConfig(block_size=1_000_000)
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "block_size": 1_000_000}))
+    with pytest.raises(ValueError, match=r"block_size=1000000 .*max_position_embeddings=512.*config\.json"):
+        DCOCODrafter.from_pretrained(tmp_path)
+
+
+def test_a_block_size_beyond_the_targets_positions_is_refused_at_attach():
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(_llama(), num_hidden_layers=1, block_size=100, top_k=4).detach()
+    short = _llama(max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"block_size=100 .*max_position_embeddings=64"):
+        drafter.attach(short, tune=False)
+
+
+def test_tuning_refuses_a_block_it_cannot_time_before_timing_anything(monkeypatch, target):
+    """A block beyond what the tuning times (positions allow it) is refused at once, naming block_size and the ways
+    out, instead of timing layouts for minutes."""
+    from dcoco_hf.runtime import tuning
+
+    def never(*args, **kwargs):
+        raise AssertionError("timed a block the tuning cannot cache")
+
+    monkeypatch.setattr(tuning, "use_few_rows_linear", never)
+    monkeypatch.setattr(tuning, "measure_cycle_costs", never)
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=100, top_k=4)
+    attention = target.config._attn_implementation
+    with pytest.raises(ValueError, match=r"block_size.*100.*attach\(target, block_size=N\).*tune=False"):
+        drafter.attach(target)
+    assert target.config._attn_implementation == attention  # nothing was switched before the refusal
+    assert drafter.generation_config.num_assistant_tokens == 99
+    assert drafter._target_ref is None and not any(m._forward_hooks for m in target.modules())  # left detached
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])

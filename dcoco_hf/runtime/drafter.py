@@ -174,7 +174,11 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         self._unhook = weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks
         notes = precision_notes(self, target)  # the drafter computes in the target's dtype, on every path
         if tune:
-            self._tuning = tune_for_device(target, self, **tune_options)
+            try:
+                self._tuning = tune_for_device(target, self, **tune_options)
+            except Exception:
+                self.detach()  # a refused tuning leaves no hooks on the target
+                raise
             self._tuning.notes += notes
             log(self._tuning.summary())
         elif notes:
@@ -874,6 +878,12 @@ def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
         raise ValueError(
             f"Vocabulary mismatch: the drafter expects {config.vocab_size} tokens, the target's embedding has {vocab} "
             f"and its lm_head {lm_head.weight.shape[0]}. Use the target the drafter was trained for."
+        )
+    positions = getattr(text, "max_position_embeddings", None)
+    if isinstance(positions, int) and config.block_size > positions:
+        raise ValueError(
+            f"block_size={config.block_size} is more than the target's max_position_embeddings={positions}: a verify "
+            "forward of one block would not fit the target. Use a drafter built for this target."
         )
     depth = len(decoder_layers(target))
     if max(config.target_layer_ids) >= depth:

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from .block_choice import (
     BlockSizeChoice,
     candidate_block_sizes,
+    check_block_size,
     choose_block_size,
     measure_cycle_costs,
     set_block_size,
@@ -49,7 +50,7 @@ from .cpu_linear import (
     use_few_rows_linear,
 )
 from .logs import logger
-from .proposal import COST_SCHEDULE, CycleCosts
+from .proposal import COST_SCHEDULE, MAX_TIMED_BLOCK, CycleCosts
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
@@ -144,12 +145,17 @@ def tune(
     auto = block_size == "auto"
     cost_aware = drafter.proposal_schedule_name == COST_SCHEDULE
     choices = candidate_block_sizes(drafter) if auto and drafter.decoding.block_tau is not None else []
+    drafted = configured
     if not auto:
-        set_block_size(drafter, int(block_size))
+        drafted = int(block_size)
+        check_block_size(drafter, drafted)
     elif cost_aware:  # up to the largest block; each cycle drafts the block, and proposes the share of it, that pays
-        set_block_size(drafter, drafter.config.block_size)
-        choices = choices or draft_sizes(drafter.config.block_size)
-    blocks = sorted({drafter.draft_block_size, *choices, *extra_block_sizes})
+        drafted = drafter.config.block_size
+        choices = choices or draft_sizes(drafted)
+    blocks = sorted({drafted, *choices, *extra_block_sizes})
+    check_timed_blocks(blocks)  # before anything is switched or timed
+    if not auto or cost_aware:
+        set_block_size(drafter, drafted)
     on_cpu = device.type == "cpu"
     max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
@@ -182,6 +188,18 @@ def tune(
     if path is not None and not tuning.from_cache:
         _write(path, tuning)
     return tuning
+
+
+def check_timed_blocks(blocks: Sequence[int]) -> None:
+    """Refuse blocks longer than the tuning times (`MAX_TIMED_BLOCK`): their layouts and cycle costs would take
+    minutes to time (two million rows for a block of a million), and the cache could not hold them."""
+    largest = max(blocks)
+    if largest > MAX_TIMED_BLOCK:
+        raise ValueError(
+            f"block_size={largest} is more than attach's tuning can time (blocks of up to {MAX_TIMED_BLOCK}). Draft "
+            f"a smaller block, attach(target, block_size=N) with N <= {MAX_TIMED_BLOCK}, or attach without tuning: "
+            "attach(target, tune=False)."
+        )
 
 
 def draft_sizes(largest: int) -> list[int]:
