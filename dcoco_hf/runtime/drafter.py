@@ -54,7 +54,7 @@ from ..network.modeling_dcoco import DCOCODraftModel
 from .precision import precision_notes
 from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
 from .tap import TargetTap, decoder_layers
-from .tuning import Tuning, untune
+from .tuning import Tuning, unpack_for_capture, untune
 from .tuning import tune as tune_for_device
 
 
@@ -440,12 +440,14 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         inductor may fuse and reorder float sums, which can only swap candidates whose scores tie within rounding).
         A captured draft is timed whole (`DraftProposal.backbone_seconds`; the corrector's share is measured
         eagerly). Tables the corrector derives from the weights are built here, for the graph to read: after
-        changing the weights (training, loading, `.to`), call it again.
+        changing the weights (training, loading, `.to`), call it again. A drafter laid out with MKL's packed GEMM
+        drafts through plain linear layers from then on (`unpack_for_capture`).
         """
         if not enabled:
             self._compiled_draft = None
             return self
         options = {"mode": "reduce-overhead"} if self.device.type == "cuda" and not compile_options else compile_options
+        unpack_for_capture(self, self._tuning)  # no compiler takes MKL's packed weights
         self.corrector.prepare_capture(self.input_embedding())  # what the graph reads but cannot build
         compiled = torch.compile(self._draft, **options)
         cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")

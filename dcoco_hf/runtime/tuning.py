@@ -46,6 +46,7 @@ from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import (
     DEFAULT_MAX_ROWS,
     available_layouts,
+    few_rows_plan,
     restore_linear,
     use_few_rows_linear,
 )
@@ -220,6 +221,18 @@ def untune(target: PreTrainedModel, drafter: DCOCODrafter | None, tuning: Tuning
                 model.set_attn_implementation(tuning.attention[0])
 
 
+def unpack_for_capture(drafter: nn.Module, tuning: Tuning | None) -> None:
+    """Before `compile_drafting`: a drafter laid out with MKL's packed GEMM gets plain linear layers back. A packed
+    weight is an opaque tensor that inductor cannot lower, and the compiled graph fuses its own few-row products.
+    Recorded in the drafter's `tuning` (its summary says so; `untune` has no drafter layout left to undo)."""
+    if "packed" not in (few_rows_plan(drafter) or {}).values():
+        return
+    restore_linear(drafter)
+    if tuning is not None and tuning.drafter_layout is not None:
+        tuning.drafter_layout = None
+        tuning.notes.append("drafter linear layers plain for compiled drafting")
+
+
 def device_name(device: torch.device) -> str:
     """"CPU (AMD EPYC 7B13, 2 threads)" or "cuda:0 (NVIDIA H200)": timings are properties of this."""
     if device.type == "cuda":
@@ -351,4 +364,4 @@ def _write(path: Path, tuning: Tuning) -> None:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
 
-__all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "tune", "untune"]
+__all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "tune", "unpack_for_capture", "untune"]
