@@ -235,7 +235,7 @@ def _loop(target, drafter, input_ids, attention_mask, logits_processor, config, 
     context_length = static_capacity(prompt_len + max_new + slots, slots + 1) + drafter.config.block_size
     engine = SpeculationEngine(drafter, batch, correct=correct, selection=selection, context_length=context_length)
     stats = engine.stats
-    cap = min(int(drafter.generation_config.num_assistant_tokens or slots), slots)  # drafts proposed per cycle
+    cap = engine.cap  # drafts proposed per cycle
 
     # [B, L + T + S + 1] preallocated: every cycle writes its whole block (pad where not committed), no sync needed
     out = torch.cat([input_ids, pad.expand(batch, max_new + slots + 1)], dim=1)
