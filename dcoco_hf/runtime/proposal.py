@@ -142,6 +142,8 @@ class CycleCosts:
         verify, draft, spread = data.get("verify"), data.get("draft"), data.get("spread", 0.0)
         if not isinstance(verify, list) or not verify or not isinstance(draft, Mapping) or not draft:
             raise ValueError("cycle costs need a non-empty 'verify' list and 'draft' mapping")
+        if not all(str(b).isdigit() for b in draft) or not _is_number(spread) or not 0.0 <= spread < math.inf:
+            raise ValueError("cycle costs need block sizes as 'draft' keys and a finite 'spread' >= 0")
         verify = [_positive_seconds(v) for v in verify]
         draft = {int(b): _positive_seconds(s) for b, s in draft.items()}
         if verify != isotonic(verify) or not all(2 <= b <= MAX_TIMED_BLOCK for b in draft) or len(verify) > MAX_TIMED_ROWS:
@@ -151,11 +153,15 @@ class CycleCosts:
         return cls(verify, draft, float(spread))
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _positive_seconds(value: Any) -> float:
-    seconds = float(value)
-    if not (math.isfinite(seconds) and 0.0 < seconds < 3600.0):
+    # A number as JSON writes one: a string ("0.01") is what a hand-edited or foreign file holds, not a timing.
+    if not _is_number(value) or not (math.isfinite(value) and 0.0 < value < 3600.0):
         raise ValueError(f"a cost of {value!r} seconds")
-    return seconds
+    return float(value)
 
 
 def _relative_iqr(samples: Sequence[float]) -> float:
