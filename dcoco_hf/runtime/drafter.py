@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import inspect
+import json
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.utils import GenerateDecoderOnlyOutput
-from transformers.utils import cached_file
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .candidate_generator import DCOCOCandidateGenerator, check_stopping_criteria
 from ..network.configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
@@ -588,6 +589,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         hub = {name: kwargs[name] for name in _HUB_KEYWORDS if name in kwargs}
+        _check_generation_config_file(source, hub)
         try:
             # transformers would report the backbone of a head-only folder as "newly initialized"; it is read next.
             with _quiet_loading_report(_names_base(source, kwargs.get("config"), hub)):
@@ -770,6 +772,30 @@ def _names_base(source: Any, config: Any, hub: dict[str, Any]) -> bool:
         return DCOCOConfig.get_config_dict(source, **hub)[0].get("base_drafter") is not None
     except OSError:  # no config to read: from_pretrained itself says what is wrong with the source
         return False
+
+
+def _check_generation_config_file(source: Any, hub: dict[str, Any]) -> None:
+    """Raise a ValueError naming the folder's generation_config.json unless it holds a JSON object: transformers
+    would replace it by defaults without a word, losing the decoding choices and num_assistant_tokens it holds."""
+    try:
+        path = None if source is None else cached_file(
+            str(source), GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub
+        )
+    except OSError:  # no such folder or repository: from_pretrained itself says what is wrong with the source
+        return
+    if path is None:  # no generation config: the defaults, as transformers makes them
+        return
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # a torn file, or bytes that are no text
+        problem = str(error)
+    else:
+        problem = None if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+    if problem is not None:
+        raise ValueError(
+            f"{path} cannot be read as a generation config ({problem}). Fix the file, delete it to decode with the "
+            "defaults, or save the drafter again (save_pretrained writes it)."
+        )
 
 
 def _not_a_load_report(record: logging.LogRecord) -> bool:
