@@ -589,7 +589,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         kwargs.setdefault("key_mapping", {r"^(model\.)?lilicorr\.": "corrector."})
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         hub = {name: kwargs[name] for name in _HUB_KEYWORDS if name in kwargs}
-        _check_generation_config_file(source, hub)
+        _check_generation_config_file(source, kwargs)
         try:
             # transformers would report the backbone of a head-only folder as "newly initialized"; it is read next.
             with _quiet_loading_report(_names_base(source, kwargs.get("config"), hub)):
@@ -774,12 +774,14 @@ def _names_base(source: Any, config: Any, hub: dict[str, Any]) -> bool:
         return False
 
 
-def _check_generation_config_file(source: Any, hub: dict[str, Any]) -> None:
+def _check_generation_config_file(source: Any, kwargs: dict[str, Any]) -> None:
     """Raise a ValueError naming the folder's generation_config.json unless it holds a JSON object: transformers
-    would replace it by defaults without a word, losing the decoding choices and num_assistant_tokens it holds."""
+    would replace it by defaults without a word, losing the decoding choices and num_assistant_tokens it holds.
+    `kwargs`: from_pretrained's, of which those saying where to find the file are used."""
+    where = {name: kwargs[name] for name in (*_HUB_KEYWORDS, "revision", "subfolder") if name in kwargs}
     try:
         path = None if source is None else cached_file(
-            str(source), GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub
+            str(source), GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **where
         )
     except OSError:  # no such folder or repository: from_pretrained itself says what is wrong with the source
         return

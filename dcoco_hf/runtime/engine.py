@@ -20,7 +20,6 @@ from numbers import Integral, Real
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-from transformers import GenerationConfig
 
 from .proposal import (
     COST_SCHEDULE,
@@ -35,6 +34,8 @@ from .proposal import (
 from .stats import DCOCOStats
 
 if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
     from .drafting import AttachedDrafter, DraftProposal
 
 # Committed tokens whose share inside the draft vocabulary predicts the next ones.
@@ -46,8 +47,8 @@ def proposal_limits(generation: GenerationConfig, slots: int) -> tuple[int, floa
     (`num_assistant_tokens`, at most the block's `slots`; None: all of them) and the floor on a slot's predicted
     acceptance (`assistant_confidence_threshold`; None: 0, no floor). Raises a ValueError naming a bad field.
 
-    0 tokens is refused: transformers' assisted loop reads it as "never ask the drafter" (it then decodes plainly
-    without calling it), the batched loop as nothing at all."""
+    0 tokens is refused: transformers' assisted loop reads it as "never ask the drafter" (it decodes plainly without
+    calling it, so nothing here sees it), while None here is the whole block."""
     tokens = getattr(generation, "num_assistant_tokens", None)
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, Integral) or tokens < 1):
         raise ValueError(

@@ -134,7 +134,8 @@ def tune(
 
     block_size: "auto" drafts the largest trained block under the cost-aware schedule (each cycle proposes the share
         of it that pays), and under the constant one the block of highest recorded tau (`drafter.decoding.block_tau`)
-        per cycle timed here (the configured block when no tau is recorded); or a fixed size.
+        per cycle timed here (the configured block when no tau is recorded); or a fixed size. Blocks beyond
+        `MAX_TIMED_BLOCK` (64) are refused before anything is timed.
     extra_block_sizes: further blocks the caller will draft (e.g. a bench's dcoco@5), laid out for on CPU.
     batch_size: rows per forward the CPU layouts must cover (a batched verify has batch_size blocks).
     few_rows_linear / gqa_attention: the two CPU measures, each on by default.
