@@ -204,3 +204,19 @@ def test_unpacking_for_the_capture_is_recorded_in_the_tuning():
     unpack_for_capture(model, tuning)
     assert few_rows_plan(model) == {2: "transposed", 3: "transposed", 4: "transposed", 5: "transposed",
                                     6: "transposed"}
+
+
+@pytest.mark.skipif("packed" not in available_layouts(), reason="this torch build has no MKL packed GEMM")
+def test_a_tuned_attach_after_compile_drafting_keeps_the_drafter_unpacked(monkeypatch, tmp_path):
+    """attach() lays the drafter out anew; with drafting compiled, a packed layout would reach the graph."""
+    from dcoco_hf.runtime import tuning
+
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    lay_out = tuning.use_few_rows_linear
+    monkeypatch.setattr(tuning, "use_few_rows_linear", lambda model, max_rows: lay_out(model, max_rows, "packed"))
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    drafter.compile_drafting(**CPU_CAPTURE).attach(target)
+    assert "packed" in few_rows_plan(target).values() and few_rows_plan(drafter) is None
+    assert drafter.tuning.drafter_layout is None and drafter.drafting_compiled

@@ -180,6 +180,8 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             except Exception:
                 self.detach()  # a refused tuning leaves no hooks on the target
                 raise
+            if self._compiled_draft is not None:
+                unpack_for_capture(self, self._tuning)  # the compiled drafts take no packed weights
             self._tuning.notes += notes
             log(self._tuning.summary())
         elif notes:
