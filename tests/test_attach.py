@@ -237,9 +237,13 @@ _NO_KEY = object()
         lambda d: _edited(d, "cycle_costs.verify", [0 for _ in d["cycle_costs"]["verify"]]),
         lambda d: _edited(d, "cycle_costs.verify", ["fast" for _ in d["cycle_costs"]["verify"]]),
         lambda d: _edited(d, "cycle_costs.verify", d["cycle_costs"]["verify"][::-1] + [1e9]),
+        lambda d: _edited(d, "cycle_costs.verify", [str(v) for v in d["cycle_costs"]["verify"]]),
+        lambda d: _edited(d, "cycle_costs.draft", {b: str(v) for b, v in d["cycle_costs"]["draft"].items()}),
+        lambda d: _edited(d, "cycle_costs.spread", float("nan")), lambda d: _edited(d, "cycle_costs.spread", "0.1"),
     ],
     ids=["null", "list", "number", "string", "layout-list", "layout-key-x", "layout-3M-rows", "layout-unknown",
-         "costs-string", "block-99", "no-verify", "zero-seconds", "seconds-string", "wrong-rows"],
+         "costs-string", "block-99", "no-verify", "zero-seconds", "seconds-string", "wrong-rows",
+         "seconds-numeric-strings", "draft-seconds-strings", "spread-nan", "spread-string"],
 )
 def test_a_cache_file_of_the_wrong_shape_is_measured_again_with_one_warning(tmp_path, monkeypatch, capsys, edit):
     monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))

@@ -8,17 +8,16 @@ import threading
 import pytest
 import torch
 from conftest import PROMPT_LEN
-from packaging.version import Version
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from dcoco_hf import speculative_generate
-from dcoco_hf.runtime.candidate_generator import cut_at_stop, tokens_before_stop
-from dcoco_hf.runtime.hf_compat import TRANSFORMERS_VERSION
+from dcoco_hf.runtime.candidate_generator import check_stopping_criteria, cut_at_stop, tokens_before_stop
 
 
 class StopAfterToken(StoppingCriteria):
@@ -61,35 +60,43 @@ def test_custom_stopping_criteria_stop_exactly_where_plain_generate_does(fitted)
 
 
 
-class StopAfterTokenReadingScores(StopAfterToken):
-    """StopAfterToken that also reads `scores` as plain generate() passes them with output_scores: one [1, V] row per
-    new token."""
+class StopWhenUnsure(StoppingCriteria):
+    """Fires once the newest token's top probability under the target falls below `threshold`: it reads the
+    target's processed `scores`, which no drafter has for tokens the target has not verified yet."""
 
-    def __init__(self, tokens: set[int], prompt_len: int) -> None:
-        super().__init__(tokens)
-        self.prompt_len = prompt_len
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
 
     def __call__(self, input_ids, scores, **kwargs):
-        assert len(scores) == input_ids.shape[1] - self.prompt_len and scores[-1].shape[0] == input_ids.shape[0]
-        return super().__call__(input_ids, scores)
+        unsure = scores[-1].softmax(-1).max(-1).values < self.threshold
+        return unsure.to(input_ids.device)
 
 
-@pytest.mark.skipif(
-    TRANSFORMERS_VERSION < Version("5.18"),
-    reason="transformers 5.17's assisted loop itself calls the criteria with scores=None on every candidate block",
-)
-def test_custom_stopping_criteria_that_read_scores_get_them(fitted):
+def test_custom_stopping_criteria_with_output_scores_are_refused_naming_scores(fitted):
     target, drafter = fitted
-    stops = _stop_tokens(target, drafter, range(4))
-    for seed in range(4):
-        ids = _prompt(target, seed)
-        criteria = StoppingCriteriaList([StopAfterTokenReadingScores(stops, PROMPT_LEN)])
-        kwargs = dict(max_new_tokens=40, do_sample=False, stopping_criteria=criteria, output_scores=True,
-                      return_dict_in_generate=True)
-        plain = target.generate(ids, **kwargs)
-        fast = target.generate(ids, assistant_model=drafter, **kwargs)
-        assert fast.sequences.tolist() == plain.sequences.tolist()
-        assert len(fast.scores) == len(plain.scores)
+    ids = _prompt(target, 0)
+    scored = dict(max_new_tokens=40, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    for criterion in (StopWhenUnsure(0.5), StopAfterToken({7})):  # whether it reads them cannot be known
+        criteria = StoppingCriteriaList([criterion])
+        plain = target.generate(ids, stopping_criteria=criteria, **scored)
+        assert plain.sequences.shape[1] > PROMPT_LEN
+        with pytest.raises(ValueError, match=r"scores.*plain generate\(\)"):
+            target.generate(ids, assistant_model=drafter, stopping_criteria=criteria, **scored)
+    assert not drafter.tap.listening  # the refused call left the tap as it was
+    # transformers' own criteria read token ids only: accepted with output_scores, and exact
+    kwargs = dict(scored, max_time=600.0)
+    plain = target.generate(ids, **kwargs)
+    fast = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert fast.sequences.tolist() == plain.sequences.tolist() and len(fast.scores) == len(plain.scores)
+
+
+def test_check_stopping_criteria_admits_token_id_criteria_and_criteria_without_scores():
+    custom = StoppingCriteriaList([MaxLengthCriteria(20), MaxTimeCriteria(60.0), StopAfterToken({7})])
+    check_stopping_criteria(custom, scores_requested=False)  # criteria then get None, as in plain generate()
+    check_stopping_criteria(StoppingCriteriaList([MaxLengthCriteria(20), EosTokenCriteria(2)]), True)
+    check_stopping_criteria(None, True)
+    with pytest.raises(ValueError, match="StopAfterToken.*scores"):
+        check_stopping_criteria(custom, scores_requested=True)
 
 
 def test_sampling_never_runs_past_a_stop(fitted):

@@ -374,6 +374,19 @@ def test_bad_arguments_fail_fast_with_clear_errors(argv, message):
     assert result.out == ""
 
 
+def test_a_json_path_in_a_missing_folder_is_refused_before_the_run(tiny, tmp_path):
+    """Refused at start-up, naming the folder: not found only after the whole run (the results then went to a
+    temporary file), nor a file written where a folder was meant."""
+    base = ["bench", "--target", tiny.root / "target", "--drafter", tiny.root / "drafter", "--prompts", tiny.prompts,
+            "--limit", 1, "--max-new-tokens", 4, "--warmup", 0, "--methods", "vanilla,dcoco"]
+    for path in (tmp_path / "missing" / "out.json", f"{tmp_path / 'results'}/"):
+        result = run_cli(*base, "--json", path)
+        assert result.code == 2 and result.out == "", result.err
+        assert "does not exist" in result.err and str(Path(path).parent if str(path).endswith(".json") else
+                                                      tmp_path / "results") in result.err, result.err
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "results").exists()
+
+
 def test_bad_prompts_file_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n', encoding="utf-8")

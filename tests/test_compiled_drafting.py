@@ -16,14 +16,15 @@ import copy
 
 import pytest
 import torch
-from conftest import VOCAB, scrambled
+from conftest import VOCAB, make_target, scrambled
 from test_batched import PAD, left_padded
 from test_lilicorr import lilicorr_copy, randomise
 
 from torch._dynamo import lookup_backend
 
-from dcoco_hf import CorpusBigrams, speculative_generate
+from dcoco_hf import CorpusBigrams, DCOCODrafter, speculative_generate, use_few_rows_linear
 from dcoco_hf.runtime.context_cache import DraftContextCache, StaticDraftContextCache
+from dcoco_hf.runtime.cpu_linear import available_layouts, few_rows_plan
 
 CPU_CAPTURE = dict(backend="aot_eager")  # the traced graph on the eager kernels: no C++ build on CPU
 
@@ -169,3 +170,53 @@ def test_a_drafter_copy_does_not_carry_the_compiled_graph(fitted):
     _, drafter = fitted
     compiled = scrambled(drafter, seed=7).compile_drafting(**CPU_CAPTURE)
     assert not copy.deepcopy(compiled).drafting_compiled
+
+
+@pytest.mark.skipif("packed" not in available_layouts(), reason="this torch build has no MKL packed GEMM")
+def test_compiled_drafting_with_inductor_after_a_packed_layout_equals_plain_generate():
+    """A tuned attach may lay the drafter's linear layers out packed (MKL's opaque weights), which inductor cannot
+    compile: compile_drafting() with its CPU default hands the graph plain linear layers, and records it."""
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    use_few_rows_linear(drafter, layout="packed")
+    torch._dynamo.reset()
+    drafter.compile_drafting()  # the default backend: inductor on CPU
+    assert few_rows_plan(drafter) is None
+    ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
+    expected = target.generate(ids, max_new_tokens=10, do_sample=False)
+    assert target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter).tolist() == \
+        expected.tolist()
+    assert drafter.generation_stats().cycles > 0
+
+
+@pytest.mark.skipif("packed" not in available_layouts(), reason="this torch build has no MKL packed GEMM")
+def test_unpacking_for_the_capture_is_recorded_in_the_tuning():
+    from dcoco_hf.runtime.tuning import Tuning, unpack_for_capture
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    plan = use_few_rows_linear(model, layout={2: "transposed", 3: "packed"})
+    tuning = Tuning(device="CPU", target_layout=plan, drafter_layout=plan)
+    unpack_for_capture(model, tuning)
+    assert few_rows_plan(model) is None and tuning.drafter_layout is None and tuning.target_layout == plan
+    assert "plain for compiled drafting" in tuning.summary()
+    use_few_rows_linear(model, layout="transposed")  # no packed weight: the graph takes this layout as it is
+    unpack_for_capture(model, tuning)
+    assert few_rows_plan(model) == {2: "transposed", 3: "transposed", 4: "transposed", 5: "transposed",
+                                    6: "transposed"}
+
+
+@pytest.mark.skipif("packed" not in available_layouts(), reason="this torch build has no MKL packed GEMM")
+def test_a_tuned_attach_after_compile_drafting_keeps_the_drafter_unpacked(monkeypatch, tmp_path):
+    """attach() lays the drafter out anew; with drafting compiled, a packed layout would reach the graph."""
+    from dcoco_hf.runtime import tuning
+
+    monkeypatch.setenv("DCOCO_HF_TUNING_DIR", str(tmp_path))
+    lay_out = tuning.use_few_rows_linear
+    monkeypatch.setattr(tuning, "use_few_rows_linear", lambda model, max_rows: lay_out(model, max_rows, "packed"))
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    drafter.compile_drafting(**CPU_CAPTURE).attach(target)
+    assert "packed" in few_rows_plan(target).values() and few_rows_plan(drafter) is None
+    assert drafter.tuning.drafter_layout is None and drafter.drafting_compiled

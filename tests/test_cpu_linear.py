@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -216,3 +217,29 @@ def test_verify_cost_rounding_compares_the_same_positions():
     target = make_target("llama")
     context = torch.randint(0, target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     assert verify_cost.verify_rounding(target, context, 4) < 1e-4
+
+
+@pytest.mark.parametrize("layout", available_layouts())
+def test_a_deep_copy_of_a_laid_out_drafter_drafts_like_the_original(layout):
+    """The thread-refusal error's recipe, copy.deepcopy(drafter).attach(target, tune=False), after any layout: MKL's
+    packed weight (an opaque tensor) is rebuilt from the plain weight by the copy, which drafts exactly the same."""
+    from dcoco_hf import DCOCODrafter
+    from dcoco_hf.runtime.context_cache import DraftContextCache
+
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    use_few_rows_linear(drafter, layout=layout)
+    copied = copy.deepcopy(drafter).attach(target, tune=False)
+    assert few_rows_plan(copied) == few_rows_plan(drafter)
+    generator = torch.Generator().manual_seed(1)
+    states = torch.randn(1, 3, len(drafter.config.target_layer_ids) * drafter.config.hidden_size, generator=generator)
+    ids = torch.randint(0, target.config.vocab_size, (1, 3), generator=generator)
+    positions = torch.arange(3 + 4)[None]  # 3 context rows and a block of 4: forwards of 2..6 rows
+    mine, theirs = (model.propose(ids[:, -1], states, positions, DraftContextCache(), context_ids=ids)
+                    for model in (drafter, copied))
+    assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.candidate_logits, theirs.candidate_logits)
+    prompt = torch.randint(0, target.config.vocab_size, (1, 6), generator=generator)
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=copied).tolist() == \
+        expected.tolist()

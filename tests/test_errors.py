@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import re
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import transformers
 from conftest import VOCAB, make_target
 from transformers.utils import logging as hf_logging
 
-from dcoco_hf import DCOCOConfig, DCOCODrafter
+from dcoco_hf import DCOCOConfig, DCOCODrafter, speculative_generate
 
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
@@ -84,6 +86,44 @@ def test_older_block_size_fields_fold_into_block_size():
         DCOCOConfig(block_size=3, max_block_size="6")
     with pytest.raises(ValueError, match=r"block_size=1: a block needs the anchor plus at least one mask slot"):
         DCOCOConfig(block_size=1, max_block_size=1)
+
+
+def test_a_block_size_beyond_the_positions_is_refused_at_load(tmp_path, drafter):
+    with pytest.raises(ValueError, match=r"block_size=1000000 .*max_position_embeddings=40960"):
+        DCOCOConfig(block_size=1_000_000)
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "block_size": 1_000_000}))
+    with pytest.raises(ValueError, match=r"block_size=1000000 .*max_position_embeddings=512.*config\.json"):
+        DCOCODrafter.from_pretrained(tmp_path)
+
+
+def test_a_block_size_beyond_the_targets_positions_is_refused_at_attach():
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(_llama(), num_hidden_layers=1, block_size=100, top_k=4).detach()
+    short = _llama(max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"block_size=100 .*max_position_embeddings=64"):
+        drafter.attach(short, tune=False)
+
+
+def test_tuning_refuses_a_block_it_cannot_time_before_timing_anything(monkeypatch, target):
+    """A block beyond what the tuning times (positions allow it) is refused at once, naming block_size and the ways
+    out, instead of timing layouts for minutes."""
+    from dcoco_hf.runtime import tuning
+
+    def never(*args, **kwargs):
+        raise AssertionError("timed a block the tuning cannot cache")
+
+    monkeypatch.setattr(tuning, "use_few_rows_linear", never)
+    monkeypatch.setattr(tuning, "measure_cycle_costs", never)
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=100, top_k=4).detach()
+    attention, hooks = target.config._attn_implementation, sum(len(m._forward_hooks) for m in target.modules())
+    with pytest.raises(ValueError, match=r"block_size.*100.*attach\(target, block_size=N\).*tune=False"):
+        drafter.attach(target)
+    assert target.config._attn_implementation == attention  # nothing was switched before the refusal
+    assert drafter.generation_config.num_assistant_tokens == 99
+    assert drafter._target_ref is None and sum(len(m._forward_hooks) for m in target.modules()) == hooks  # detached
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
@@ -205,6 +245,36 @@ def test_beam_search_ignores_the_assistant(target, drafter, monkeypatch):
     assert got.tolist() != target.generate(_ids(seed=3), max_new_tokens=10, do_sample=False).tolist()
     assert calls == []
     assert any("assisted generate is only supported with Greedy Search and Sample" in r.getMessage() for r in records)
+
+
+@pytest.mark.parametrize("schedule", ["cost", "constant"])
+@pytest.mark.parametrize(
+    "field, value",
+    [("num_assistant_tokens", -1), ("num_assistant_tokens", 2.5), ("assistant_confidence_threshold", 1.5),
+     ("assistant_confidence_threshold", float("nan")), ("assistant_confidence_threshold", -1),
+     ("assistant_confidence_threshold", "0.5")],
+)
+def test_bad_proposal_settings_are_refused_when_a_call_starts(target, drafter, schedule, field, value):
+    """num_assistant_tokens: a positive integer; assistant_confidence_threshold: a number in [0, 1]; checked in one
+    place whichever loop starts the call and whichever schedule sizes the proposals."""
+    drafter.generation_config.num_assistant_tokens_schedule = schedule
+    setattr(drafter.generation_config, field, value)
+    message = rf"{field}={re.escape(repr(value))} \(the drafter's generation config\) must be"
+    with pytest.raises(ValueError, match=message):
+        target.generate(_ids(), assistant_model=drafter, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match=message):
+        speculative_generate(target, _ids(), drafter=drafter, max_new_tokens=8)
+    assert not drafter.tap.listening
+
+
+def test_zero_assistant_tokens(target, drafter):
+    """0: transformers' assisted loop never asks the drafter (plain decoding, its rule); our own loop refuses it."""
+    drafter.generation_config.num_assistant_tokens = 0
+    plain = target.generate(_ids(), max_new_tokens=8, do_sample=False)
+    assert target.generate(_ids(), assistant_model=drafter, max_new_tokens=8, do_sample=False).tolist() == \
+        plain.tolist()
+    with pytest.raises(ValueError, match=r"num_assistant_tokens=0 .* must be a positive integer"):
+        speculative_generate(target, _ids(), drafter=drafter, max_new_tokens=8)
 
 
 def test_drafter_generate_directly(drafter):

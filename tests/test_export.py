@@ -248,3 +248,32 @@ def test_corrector_trains_on_top_of_a_dflash_folder(tmp_path, qwen3_fitted):
     plain = DCOCODrafter.from_pretrained(dflash).attach(target, tune=False)
     _same(_drafts(trained, target), _drafts(plain, target))
     _same(_drafts(trained, target), _drafts(drafter, target))
+
+
+def test_export_never_writes_over_a_folder_the_source_reads(tmp_path, qwen3_fitted, monkeypatch, capsys):
+    """A head-only folder reads the rest of its weights from its base drafter (config.json's base_drafter):
+    exporting it over that base, by any spelling of the path, would destroy both, so it is refused as the source
+    folder itself is."""
+    from dcoco_hf.cli import main as cli
+    from dcoco_hf.serving.export import export_vllm
+
+    target, _ = qwen3_fitted
+    base, head = tmp_path / "dcoco-base", tmp_path / "head-only"
+    torch.manual_seed(0)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4)
+    drafter.save_pretrained(base)
+    scrambled(drafter, seed=3).save_pretrained(head, base_drafter="../dcoco-base")  # another corrector, same backbone
+    (tmp_path / "link").symlink_to(base, target_is_directory=True)
+    saved = {path.name: path.read_bytes() for path in base.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    for out in (base, tmp_path / "link", Path("head-only/../dcoco-base"), Path("dcoco-base")):
+        assert cli.main(["export", "--overwrite", str(head), str(out)]) == 2
+        error = capsys.readouterr().err
+        assert "base drafter" in error and "base_drafter" in error and "Choose another output folder" in error, error
+    loaded = DCOCODrafter.from_pretrained(head)
+    for export in (export_dflash, export_vllm):
+        with pytest.raises(ValueError, match="base drafter"):
+            export(loaded, "link", source="head-only", overwrite=True)
+    assert {path.name: path.read_bytes() for path in base.iterdir()} == saved
+    DCOCODrafter.from_pretrained(base)
+    assert cli.main(["export", "--overwrite", str(head), str(tmp_path / "elsewhere")]) == 0

@@ -453,6 +453,20 @@ def test_corrupt_safetensors(saved, damage):
         assert str(path) in message and "download or save the checkpoint again" in message, message
 
 
+@pytest.mark.parametrize("garbage", ["{not json", "[1, 2]", "\x00\xff"], ids=["torn", "a-list", "binary"])
+def test_a_garbage_generation_config_is_refused_naming_the_file(saved, garbage):
+    """transformers would replace it by defaults, silently: the decoding choices and num_assistant_tokens it holds
+    would be lost without a word."""
+    path = saved / "generation_config.json"
+    path.write_bytes(garbage.encode("latin-1"))
+    for load in (DCOCODrafter.from_pretrained, lambda f: AutoModel.from_pretrained(f, trust_remote_code=True)):
+        with pytest.raises(ValueError, match="generation_config.json") as error:
+            load(saved)
+        assert str(path) in str(error.value) and "save the drafter again" in str(error.value)
+    path.unlink()  # no file at all: the defaults, as before
+    assert DCOCODrafter.from_pretrained(saved).decoding.selection == "prefix_first"
+
+
 def test_config_keywords_stay_out_of_the_generation_config(tmp_path, llama):
     """`from_pretrained(folder, top_k=..., correct_first_slot=...)` changes config.json's fields only: transformers
     would also copy them into the generation config, which then saved architecture fields beside decoding choices."""

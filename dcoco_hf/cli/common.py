@@ -149,8 +149,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_output_path(option: str, value: str | None, folder: bool) -> None:
-    """`value` can be written: a file (or, with `folder`, a folder) that is not the other kind, below a folder that
-    exists and is writable or can be created in one."""
+    """`value` can be written: a file in a folder that exists, or with `folder` a folder, existing or to be created
+    in a writable one; neither of the other kind."""
     if value is None:
         return
     path = Path(value).expanduser()
@@ -158,6 +158,11 @@ def _check_output_path(option: str, value: str | None, folder: bool) -> None:
         raise CLIError(f"{option} {value}: this is a file; give a folder for the output")
     if not folder and path.is_dir():
         raise CLIError(f"{option} {value}: this is a folder; give a file name, e.g. {path / 'results.json'}")
+    # A file goes into a folder that exists: a mistyped folder is refused now, not found after the run.
+    parent = path if not folder and value.endswith(("/", os.sep)) else path.parent
+    if not folder and not parent.exists():
+        raise CLIError(f"{option} {value}: the folder {parent} does not exist; create it first or give a file in an "
+                       "existing folder")
     existing = path if folder and path.is_dir() else path.parent
     while not existing.exists():
         existing = existing.parent

@@ -210,6 +210,13 @@ class DCOCOConfig(PreTrainedConfig):
         """Raise a ValueError naming the bad field and the fix."""
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
+        positions = self.max_position_embeddings
+        if isinstance(positions, int) and self.block_size > positions:
+            raise ValueError(
+                f"block_size={self.block_size} is more than max_position_embeddings={positions}: the drafter cannot "
+                "hold a block longer than its positions. Fix block_size in config.json (the block the drafter was "
+                "trained on)."
+            )
         self.check_corrector_fields()
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")

@@ -29,7 +29,9 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
+    MaxTimeCriteria,
     StoppingCriteriaList,
+    StopStringCriteria,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -102,6 +104,7 @@ def start_assisted_call(drafter: DCOCODrafter, generation_config: GenerationConf
     call (another thread's, `claim`) must not touch the running call's tap.
     """
     criteria = assisted_stopping_criteria()
+    check_stopping_criteria(criteria, scores_requested=assisted_loop_scores() is not None)
     if criteria is None and getattr(generation_config, "stop_strings", None):
         raise ValueError(
             "stop_strings with a DCOCO drafter need transformers' assisted loop as of 5.17-5.25 (its stopping "
@@ -221,10 +224,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         proposal, k, _ = self.engine.draft(  # the assisted loop verifies chains (no tree budget)
             committed[-1:], anchor_position, context[None], positions[None], [0], cap, context_ids=committed[None]
         )
-        tokens = cut_at_stop(
-            self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores,
-            self.vocab_size,
-        )
+        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores)
         self._draft_forwards = self.tap.forward_count
         self._pending = (tokens.shape[1], proposal.tokens.shape[1] + 1)
         self._last_committed = committed
@@ -351,12 +351,38 @@ _OTHER_CALL = (
 )
 
 
+# transformers' own criteria: each reads the token ids (or the clock), never `scores`.
+TOKEN_ID_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
+
+
+def check_stopping_criteria(criteria: StoppingCriteriaList | None, scores_requested: bool) -> None:
+    """Refuse a call that hands its stopping criteria `scores` (`output_scores` with `return_dict_in_generate`)
+    when one of them is not transformers' own.
+
+    A custom criterion may read the target's processed scores of the newest token (a confidence test), which exist
+    for a drafted token only once the target has verified its block. transformers' loop checks the criteria after
+    each block, so such a criterion could fire only at a block's last token and would stop later than plain
+    `generate()`. Without `output_scores` every criterion gets `scores=None`, as in plain `generate()`, and reads
+    token ids only: those stop exactly where plain `generate()` stops (`tokens_before_stop`).
+    """
+    if not scores_requested:
+        return
+    custom = sorted({type(c).__name__ for c in criteria or () if type(c) not in TOKEN_ID_CRITERIA})
+    if custom:
+        raise ValueError(
+            f"stopping criteria {custom} with output_scores=True and a DCOCO drafter: a custom criterion may read "
+            "`scores`, the target's processed scores of each new token, which a drafted token has only after the "
+            "target verified its block, so a criterion testing them would stop later than plain generate(). Use "
+            "plain generate() (without assistant_model) for criteria that read scores, or criteria that read token "
+            "ids only, without output_scores (they then get scores=None and stop exactly where plain generate() does)."
+        )
+
+
 def tokens_before_stop(
     criteria: StoppingCriteriaList,
     input_ids: torch.LongTensor,
     tokens: torch.LongTensor,
     scores: tuple[torch.Tensor, ...] | None = None,
-    vocab_size: int | None = None,
 ) -> int:
     """How many of the proposed `tokens` [1, k] to keep after `input_ids` [1, L]: those before the first one at
     which a stopping criterion fires.
@@ -368,19 +394,15 @@ def tokens_before_stop(
     committed text and the proposal, so sampling stays exact too.
 
     Criteria get the `scores` the assisted loop passes them (`assisted_loop_scores`): None unless generate() was
-    asked for `output_scores` (as in plain generate()), else the loop's tuple of processed target scores of the
-    committed tokens, extended here by the proposal's own point-mass logits (the candidate logits the loop gets;
-    `vocab_size` wide) for the proposed tokens, whose target scores do not exist yet. A criterion that reads scores
-    is then checked again on the target's scores by the loop after every block, as in transformers' assisted loop.
+    asked for `output_scores`, and then only transformers' own criteria are here (`check_stopping_criteria`),
+    which read token ids only.
     """
     if not criteria:
         return tokens.shape[1]
     sequence = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
-    proposed = None if scores is None else one_hot_logits(tokens, vocab_size).unbind(1)  # k x [1, V]
     length = input_ids.shape[1]
     for kept in range(tokens.shape[1]):
-        seen = None if scores is None else (*scores, *proposed[: kept + 1])
-        if bool(criteria(sequence[:, : length + kept + 1], seen).any()):
+        if bool(criteria(sequence[:, : length + kept + 1], scores).any()):
             return kept
     return tokens.shape[1]
 
@@ -391,7 +413,6 @@ def cut_at_stop(
     tokens: torch.LongTensor,
     first_slot_candidates: torch.LongTensor,
     scores: tuple[torch.Tensor, ...] | None = None,
-    vocab_size: int | None = None,
 ) -> torch.LongTensor:
     """The proposal `tokens` [1, k] cut before the first position where a stopping criterion fires (see
     `tokens_before_stop`); [1, >= 1] since transformers' loop takes no empty proposal.
@@ -400,11 +421,11 @@ def cut_at_stop(
     that does not: if the target accepts it, no stop was skipped; if it rejects it, the target's own token ends the
     block, where the loop's check sees it. Only criteria that fire whatever the token (`max_time`) keep slot 1.
     """
-    kept = tokens_before_stop(criteria, input_ids, tokens, scores, vocab_size)
+    kept = tokens_before_stop(criteria, input_ids, tokens, scores)
     if kept > 0:
         return tokens[:, :kept]
     for candidate in first_slot_candidates.view(-1, 1, 1).to(tokens.device):  # [K, 1, 1]
-        if tokens_before_stop(criteria, input_ids, candidate, scores, vocab_size) == 1:
+        if tokens_before_stop(criteria, input_ids, candidate, scores) == 1:
             return candidate
     return tokens[:, :1]
 

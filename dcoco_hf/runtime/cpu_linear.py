@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,6 +108,13 @@ class FewRowsLinear(nn.Linear):
             _check_pack(cached[1], weight, self.bias, rows)
             cached[2].add(rows)
         return cached[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # MKL's packed copy is an opaque tensor that neither copies nor pickles; the copy's `_packed_weight` packs
+        # (and checks) its own weight on first use, so deep copies and pickles of a laid-out model work.
+        state = super().__getstate__()
+        state.pop("_packed", None)
+        return state
 
 
 def _check_pack(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:

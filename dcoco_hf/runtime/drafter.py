@@ -16,6 +16,7 @@ a `DCOCODrafter`.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shutil
 import weakref
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..network.configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from ..network.lilicorr import save_public
-from ..network.modeling_dcoco import DCOCODraftModel, read_tensors, resolve_base
+from ..network.modeling_dcoco import HUB_KEYWORDS, DCOCODraftModel, read_tensors, resolve_base
 from .candidate_generator import assisted_cycle
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .drafting import DraftInputs, DraftProposal, Walk, block_of, draft, whole_draft
@@ -40,7 +42,7 @@ from .logs import log, logger
 from .precision import precision_notes
 from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
 from .tap import TargetTap, decoder_layers
-from .tuning import Tuning, untune
+from .tuning import Tuning, unpack_for_capture, untune
 from .tuning import tune as tune_for_device
 
 
@@ -158,7 +160,13 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         self._unhook = weakref.finalize(self, self._tap.remove)  # a drafter dropped without detach() leaves no hooks
         notes = precision_notes(self, target)  # the drafter computes in the target's dtype, on every path
         if tune:
-            self._tuning = tune_for_device(target, self, **tune_options)
+            try:
+                self._tuning = tune_for_device(target, self, **tune_options)
+            except Exception:
+                self.detach()  # a refused tuning leaves no hooks on the target
+                raise
+            if self._compiled_draft is not None:
+                unpack_for_capture(self, self._tuning)  # the compiled drafts take no packed weights
             self._tuning.notes += notes
             log(self._tuning.summary())
         elif notes:
@@ -322,12 +330,14 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         inductor may fuse and reorder float sums, which can only swap candidates whose scores tie within rounding).
         A captured draft is timed whole (`DraftProposal.backbone_seconds`; the corrector's share is measured
         eagerly). Tables the corrector derives from the weights are built here, for the graph to read: after
-        changing the weights (training, loading, `.to`), call it again.
+        changing the weights (training, loading, `.to`), call it again. A drafter laid out with MKL's packed GEMM
+        drafts through plain linear layers from then on (`unpack_for_capture`).
         """
         if not enabled:
             self._compiled_draft = None
             return self
         options = {"mode": "reduce-overhead"} if self.device.type == "cuda" and not compile_options else compile_options
+        unpack_for_capture(self, self._tuning)  # no compiler takes MKL's packed weights
         self.corrector.prepare_capture(self.input_embedding())  # what the graph reads but cannot build
         compiled = torch.compile(whole_draft, **options)
         cuda_graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
@@ -378,6 +388,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         config.json as usual."""
         want_info = kwargs.pop("output_loading_info", False)
         decoding = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
+        _check_generation_config_file(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if model.config.legacy_decoding:
             logger.warning(
@@ -425,6 +436,32 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             self.config.base_drafter = loaded_from
         save_network_code(save_directory)
         return saved
+
+
+def _check_generation_config_file(source: Any, kwargs: dict[str, Any]) -> None:
+    """Raise a ValueError naming the folder's generation_config.json unless it holds a JSON object: transformers
+    would replace it by defaults without a word, losing the decoding choices and num_assistant_tokens it holds.
+    `kwargs`: from_pretrained's, of which those saying where to find the file are used."""
+    where = {name: kwargs[name] for name in (*HUB_KEYWORDS, "revision", "subfolder") if name in kwargs}
+    try:
+        path = None if source is None else cached_file(
+            str(source), GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **where
+        )
+    except OSError:  # no such folder or repository: from_pretrained itself says what is wrong with the source
+        return
+    if path is None:  # no generation config: the defaults, as transformers makes them
+        return
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # a torn file, or bytes that are no text
+        problem = str(error)
+    else:
+        problem = None if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+    if problem is not None:
+        raise ValueError(
+            f"{path} cannot be read as a generation config ({problem}). Fix the file, delete it to decode with the "
+            "defaults, or save the drafter again (save_pretrained writes it)."
+        )
 
 
 def network_code_files() -> list[Path]:
@@ -498,6 +535,12 @@ def check_compatible(config: DCOCOConfig, target: PreTrainedModel) -> None:
         raise ValueError(
             f"Vocabulary mismatch: the drafter expects {config.vocab_size} tokens, the target's embedding has {vocab} "
             f"and its lm_head {lm_head.weight.shape[0]}. Use the target the drafter was trained for."
+        )
+    positions = getattr(text, "max_position_embeddings", None)
+    if isinstance(positions, int) and config.block_size > positions:
+        raise ValueError(
+            f"block_size={config.block_size} is more than the target's max_position_embeddings={positions}: a verify "
+            "forward of one block would not fit the target. Use a drafter built for this target."
         )
     depth = len(decoder_layers(target))
     if max(config.target_layer_ids) >= depth:

@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
@@ -50,10 +51,37 @@ from .trees import (
 )
 
 if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
     from .drafting import AttachedDrafter, DraftProposal
 
 # Committed tokens whose share inside the draft vocabulary predicts the next ones.
 DRAFTABLE_WINDOW = 8
+
+
+def proposal_limits(generation: GenerationConfig, slots: int) -> tuple[int, float]:
+    """(cap, floor) of a call, from the drafter's generation config: the most drafted tokens a cycle proposes
+    (`num_assistant_tokens`, at most the block's `slots`; None: all of them) and the floor on a slot's predicted
+    acceptance (`assistant_confidence_threshold`; None: 0, no floor). Raises a ValueError naming a bad field.
+
+    0 tokens is refused: transformers' assisted loop reads it as "never ask the drafter" (it decodes plainly without
+    calling it, so nothing here sees it), while None here is the whole block."""
+    tokens = getattr(generation, "num_assistant_tokens", None)
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, Integral) or tokens < 1):
+        raise ValueError(
+            f"num_assistant_tokens={tokens!r} (the drafter's generation config) must be a positive integer, the most "
+            f"drafted tokens a cycle proposes (at most {slots} here; None: all of them). Set "
+            "drafter.generation_config.num_assistant_tokens; to decode without drafting, generate without the drafter."
+        )
+    threshold = getattr(generation, "assistant_confidence_threshold", None)
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, Real)
+                                  or not 0.0 <= threshold <= 1.0):  # NaN fails the comparison too
+        raise ValueError(
+            f"assistant_confidence_threshold={threshold!r} (the drafter's generation config) must be a number in "
+            "[0, 1], the floor on a slot's predicted acceptance below which it is not proposed (0: no floor). Set "
+            "drafter.generation_config.assistant_confidence_threshold."
+        )
+    return min(int(tokens or slots), slots), float(threshold or 0.0)
 
 
 @dataclass
@@ -99,7 +127,7 @@ class SpeculationEngine:
         config, generation = drafter.config, drafter.generation_config
         self.cache = drafter.draft_cache(context_length)
         self.stats = [DCOCOStats(drafter.draft_block_size, config.top_k) for _ in range(rows)]  # grow as drafted
-        self.floor = float(getattr(generation, "assistant_confidence_threshold", 0.0) or 0.0)
+        self.cap, self.floor = proposal_limits(generation, config.block_size - 1)
         self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
         prior = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0
         self.recent = [prior] * rows  # per row: its running slot-1 acceptance
@@ -452,4 +480,4 @@ def call_statistics(drafter: AttachedDrafter, sequences: torch.LongTensor | None
     return call.stats
 
 
-__all__ = ["Call", "SpeculationEngine", "call_statistics", "claim", "keep_call_statistics", "one_call"]
+__all__ = ["Call", "SpeculationEngine", "call_statistics", "claim", "keep_call_statistics", "one_call", "proposal_limits"]

@@ -336,7 +336,7 @@ def _start(target, drafter, input_ids, attention_mask, logits_processor, config,
         masks.new_cache(),
         torch.cat([input_ids, pad.expand(batch, max_new + widest)], dim=1),  # every cycle writes a whole block
         torch.zeros(batch, dtype=torch.long, device=device), mask.bool(), max_new, eos, pad,
-        min(int(drafter.generation_config.num_assistant_tokens or slots), slots),
+        engine.cap,
     )
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L] index in the unpadded sequence
     rows = _Rows(list(range(batch)), torch.arange(batch, device=device), input_ids[:, -1], mask.sum(1), [0] * batch,

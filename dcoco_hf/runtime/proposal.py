@@ -48,6 +48,10 @@ SCHEDULES = (COST_SCHEDULE, "constant", "heuristic", "heuristic_transient")
 # Longest run of plain steps between two drafts that probe whether drafting pays again (the target tap keeps the
 # states of that many forwards for the next draft's context: tap.TargetTap's max_pending).
 MAX_PLAIN_RUN = 16
+# The longest block whose cycle costs are timed and cached (`CycleCosts`), and the most verify columns they hold:
+# `tune` refuses larger blocks rather than timing them for minutes.
+MAX_TIMED_BLOCK = 64
+MAX_TIMED_ROWS = 2 * MAX_TIMED_BLOCK
 _RECENT_DECAY = 0.25  # weight of the newest slot-1 outcome in a call's running acceptance
 _RECENT_FADE = 0.05  # per plain step, the share of the way the running acceptance drifts back to the prior
 _LEARNING_RATE = 0.05
@@ -170,13 +174,17 @@ class CycleCosts:
         batch = data.get("batch", 1)
         if not isinstance(verify, list) or not verify or not isinstance(draft, Mapping) or not draft:
             raise ValueError("cycle costs need a non-empty 'verify' list and 'draft' mapping")
+        if not all(str(b).isdigit() for b in draft):
+            raise ValueError("cycle costs need block sizes as 'draft' keys")
         if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 4096:
             raise ValueError(f"a batch size of {batch!r}")
         verify = [_positive_seconds(v) for v in verify]
         draft = {int(b): _positive_seconds(s) for b, s in draft.items()}
         spread = _spread(spread)
-        if verify != isotonic(verify) or any(not 2 <= b <= 64 for b in draft) or len(verify) > 128:
-            raise ValueError("cycle costs out of range (verify must be non-decreasing, blocks in [2, 64])")
+        if verify != isotonic(verify) or not all(2 <= b <= MAX_TIMED_BLOCK for b in draft) or len(verify) > MAX_TIMED_ROWS:
+            raise ValueError(
+                f"cycle costs out of range (verify must be non-decreasing, blocks in [2, {MAX_TIMED_BLOCK}])"
+            )
         return cls(verify, draft, spread, batch)
 
 
@@ -594,7 +602,7 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 
 __all__ = [
-    "COST_SCHEDULE", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan", "NodeFeatures", "ProposalChoice",
+    "COST_SCHEDULE", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan", "NodeFeatures", "ProposalChoice",
     "ProposalSchedule",
     "chain_labels", "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
     "next_plain_run", "slot_confidence", "update_recent",

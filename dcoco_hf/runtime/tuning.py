@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from .block_choice import (
     BlockSizeChoice,
     candidate_block_sizes,
+    check_block_size,
     choose_block_size,
     measure_cycle_costs,
     set_block_size,
@@ -48,12 +49,13 @@ from .cpu_attention import CPU_GQA_ATTENTION
 from .cpu_linear import (
     DEFAULT_MAX_ROWS,
     available_layouts,
+    few_rows_plan,
     restore_linear,
     use_few_rows_linear,
 )
 from .hf_compat import attention_implementation
 from .logs import log, logger
-from .proposal import COST_SCHEDULE, CycleCosts
+from .proposal import COST_SCHEDULE, MAX_TIMED_BLOCK, CycleCosts
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
@@ -137,7 +139,8 @@ def tune(
 
     block_size: "auto" drafts the largest trained block under the cost-aware schedule (each cycle proposes the share
         of it that pays), and under the constant one the block of highest recorded tau (`drafter.decoding.block_tau`)
-        per cycle timed here (the configured block when no tau is recorded); or a fixed size.
+        per cycle timed here (the configured block when no tau is recorded); or a fixed size. Blocks beyond
+        `MAX_TIMED_BLOCK` (64) are refused before anything is timed.
     extra_block_sizes: further blocks the caller will draft (e.g. a bench's dcoco@5), laid out for on CPU.
     batch_size: rows per forward the CPU layouts must cover (a batched verify has batch_size blocks).
     few_rows_linear / gqa_attention: the two CPU measures, each on by default.
@@ -149,12 +152,17 @@ def tune(
     auto = block_size == "auto"
     cost_aware = drafter.proposal_schedule_name == COST_SCHEDULE
     choices = candidate_block_sizes(drafter) if auto and drafter.decoding.block_tau is not None else []
+    drafted = configured
     if not auto:
-        set_block_size(drafter, int(block_size))
+        drafted = int(block_size)
+        check_block_size(drafter, drafted)
     elif cost_aware:  # up to the largest block; each cycle drafts the block, and proposes the share of it, that pays
-        set_block_size(drafter, drafter.config.block_size)
-        choices = choices or draft_sizes(drafter.config.block_size)
-    blocks = sorted({drafter.draft_block_size, *choices, *extra_block_sizes})
+        drafted = drafter.config.block_size
+        choices = choices or draft_sizes(drafted)
+    blocks = sorted({drafted, *choices, *extra_block_sizes})
+    check_timed_blocks(blocks)  # before anything is switched or timed
+    if not auto or cost_aware:
+        set_block_size(drafter, drafted)
     on_cpu = device.type == "cpu"
     max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
@@ -189,6 +197,18 @@ def tune(
     if path is not None and not tuning.from_cache:
         _write(path, tuning)
     return tuning
+
+
+def check_timed_blocks(blocks: Sequence[int]) -> None:
+    """Refuse blocks longer than the tuning times (`MAX_TIMED_BLOCK`): their layouts and cycle costs would take
+    minutes to time (two million rows for a block of a million), and the cache could not hold them."""
+    largest = max(blocks)
+    if largest > MAX_TIMED_BLOCK:
+        raise ValueError(
+            f"block_size={largest} is more than attach's tuning can time (blocks of up to {MAX_TIMED_BLOCK}). Draft "
+            f"a smaller block, attach(target, block_size=N) with N <= {MAX_TIMED_BLOCK}, or attach without tuning: "
+            "attach(target, tune=False)."
+        )
 
 
 def verify_width(drafter: DCOCODrafter, blocks: list[int]) -> int:
@@ -232,6 +252,18 @@ def untune(target: PreTrainedModel, drafter: DCOCODrafter | None, tuning: Tuning
         for model in (target, drafter):
             if model is not None and attention_implementation(model) == tuning.attention[1]:
                 model.set_attn_implementation(tuning.attention[0])
+
+
+def unpack_for_capture(drafter: nn.Module, tuning: Tuning | None) -> None:
+    """Before `compile_drafting`: a drafter laid out with MKL's packed GEMM gets plain linear layers back. A packed
+    weight is an opaque tensor that inductor cannot lower, and the compiled graph fuses its own few-row products.
+    Recorded in the drafter's `tuning` (its summary says so; `untune` has no drafter layout left to undo)."""
+    if "packed" not in (few_rows_plan(drafter) or {}).values():
+        return
+    restore_linear(drafter)
+    if tuning is not None and tuning.drafter_layout is not None:
+        tuning.drafter_layout = None
+        tuning.notes.append("drafter linear layers plain for compiled drafting")
 
 
 def device_name(device: torch.device) -> str:
@@ -377,5 +409,5 @@ def _write(path: Path, tuning: Tuning) -> None:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
 
-__all__ = ["Tuning", "cache_dir", "cpu_name", "device_name", "plan_text", "time_batch", "tune", "untune",
-           "verify_width"]
+__all__ = ["Tuning", "cache_dir", "check_timed_blocks", "cpu_name", "device_name", "plan_text", "time_batch", "tune",
+           "unpack_for_capture", "untune", "verify_width"]

@@ -55,7 +55,7 @@ from .block_corrector import check_servable
 from ..cli.common import CLIError, default_drafter_path, load_drafter, load_target
 from ..network.configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
 from ..network.correctors import corrector_class
-from ..runtime.drafter import DCOCODrafter, check_compatible
+from ..runtime.drafter import DCOCODrafter, check_compatible, resolve_base
 from ..network.selector import PUBLIC_ARCHITECTURE as DFLASH2_ARCHITECTURE
 from ..network.selector import SelectorCorrector
 from ..network.selector import public_tensors as selector_tensors
@@ -95,7 +95,7 @@ def export_dflash(
         dtype: weight dtype of the export (default: the drafter's).
         source: where the drafter came from, named in the card.
         overwrite: write into a folder that already holds files (config.json, model.safetensors and README.md are
-            replaced). Never into the `source` folder itself.
+            replaced). Never into the `source` folder itself, nor into the base drafter it names.
     """
     out = Path(out_dir)
     check_export_folder(out, source, overwrite)
@@ -114,16 +114,35 @@ def export_dflash(
 
 
 def check_export_folder(out: Path, source: str | None, overwrite: bool) -> None:
-    """Refuse to write over the source drafter (always) or into a folder holding files (unless `overwrite`)."""
+    """Refuse to write over a folder the source drafter reads (always: its own, and the base drafter a head-only
+    folder names) or into a folder holding files (unless `overwrite`)."""
     if source is not None and Path(source).exists() and out.exists() and out.resolve() == Path(source).resolve():
         raise ValueError(f"The output folder {out} is the drafter's own folder: the export would replace its weights. "
                          "Choose another output folder.")
+    base = base_folder(source)
+    if base is not None and out.exists() and out.resolve() == base.resolve():
+        raise ValueError(f"The output folder {out} is the base drafter {base} that {source} reads its other weights "
+                         "from (base_drafter in its config.json): the export would replace them, and neither folder "
+                         "would load. Choose another output folder.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"The output folder {out} is not empty: the export would replace its config.json, "
                          "model.safetensors and README.md. Choose an empty or new folder, or pass --overwrite "
                          "(overwrite=True).")
     if out.exists() and not out.is_dir():
         raise ValueError(f"The output path {out} is a file, not a folder. Choose a folder path.")
+
+
+def base_folder(source: str | None) -> Path | None:
+    """The local folder of the base drafter the drafter folder `source` names (`config.base_drafter`, found as
+    `from_pretrained` finds it), or None: no local folder, no base named, or no config to read."""
+    if source is None or not (Path(source) / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((Path(source) / "config.json").read_text(encoding="utf-8")).get("base_drafter")
+    except (OSError, ValueError, AttributeError):  # unreadable: loading the drafter already said so
+        return None
+    where = Path(resolve_base(source, base)) if isinstance(base, str) else None
+    return where if where is not None and where.is_dir() else None
 
 
 def backbone_tensors(drafter: DCOCODrafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -441,7 +460,8 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
                         help="dflash: write the drafter's draft vocabulary (d2t + its lm_head rows; loads the target) "
                         "instead of the full vocabulary (vllm always keeps it, as token ids)")
     export.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty output folder (never into the drafter's own folder)")
+                        help="write into a non-empty output folder (never into the drafter's own folder or its "
+                        "base drafter)")
     export.add_argument("--export-dtype", choices=sorted(DTYPES), default=None,
                         help="weight dtype of the export (default: the drafter's)")
     export.set_defaults(handler=cmd_export)

@@ -210,6 +210,13 @@ class DCOCOConfig(PreTrainedConfig):
         """Raise a ValueError naming the bad field and the fix."""
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
+        positions = self.max_position_embeddings
+        if isinstance(positions, int) and self.block_size > positions:
+            raise ValueError(
+                f"block_size={self.block_size} is more than max_position_embeddings={positions}: the drafter cannot "
+                "hold a block longer than its positions. Fix block_size in config.json (the block the drafter was "
+                "trained on)."
+            )
         self.check_corrector_fields()
         if self.top_k < 1 or self.top_k > self.vocab_size:
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
@@ -280,6 +287,10 @@ class DecodingChoices:
         use_corrector: False drafts plain DFlash argmax blocks (the bench's baseline).
         time_phases: wait for the device before reading the clock in each phase (exact GPU phase times at one sync
             per phase, which the bench asks for; on CPU times are exact anyway).
+        tree_budget: the most nodes a cycle's draft tree may have in the batched loop (`speculative_generate`, the
+            Hub `custom_generate` folder): trees of the candidates ranked by the corrector's transition scores,
+            sized per cycle by the cost model (dcoco_hf/runtime/trees.py); 0: chains only. transformers' assisted
+            loop verifies chains whatever it says.
     """
 
     selection: str = "prefix_first"
@@ -287,6 +298,7 @@ class DecodingChoices:
     block_tau: dict[str, float] | None = None
     use_corrector: bool = True
     time_phases: bool = False
+    tree_budget: int = 16
 
     @classmethod
     def read(cls, values: Mapping[str, Any], config: DCOCOConfig) -> DecodingChoices:
@@ -321,7 +333,22 @@ class DecodingChoices:
         for name, value in switches.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} (generation config) must be true or false.")
-        return cls(selection, geometric_lambda, block_tau, **switches)
+        tree_budget = check_tree_budget(values.get("tree_budget", defaults.tree_budget), "(generation config) ")
+        return cls(selection, geometric_lambda, block_tau, **switches, tree_budget=tree_budget)
+
+
+# The largest draft tree a cycle may verify: its nodes are one verify forward's columns, which the tuning times.
+MAX_TREE_BUDGET = 64
+
+
+def check_tree_budget(value: Any, where: str = "") -> int:
+    """`value` as a tree budget (an integer in [0, MAX_TREE_BUDGET]), or a ValueError naming `tree_budget`."""
+    if not _has_type(value, _INT) or not 0 <= value <= MAX_TREE_BUDGET:
+        raise ValueError(
+            f"tree_budget={value!r} {where}must be an integer in [0, {MAX_TREE_BUDGET}]: the most nodes a cycle's "
+            "draft tree may have (0: chains only)."
+        )
+    return int(value)
 
 
 DECODING_FIELDS = tuple(field.name for field in fields(DecodingChoices))
@@ -349,4 +376,4 @@ def _rope_parameters(rope_theta: float | None, rope_parameters: dict[str, Any] |
     return params
 
 
-__all__ = ["CONFIG_FIELDS", "DCOCOConfig", "DecodingChoices"]
+__all__ = ["CONFIG_FIELDS", "DCOCOConfig", "DecodingChoices", "MAX_TREE_BUDGET", "check_tree_budget"]

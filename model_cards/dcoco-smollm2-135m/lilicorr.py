@@ -55,7 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .corrector import Corrector, CorpusBigrams, zero_linear
+from .corrector import BlockLattice, Corrector, CorpusBigrams, zero_linear
 
 PUBLIC_ARCHITECTURE = "LiLiCorrDraftModel"
 PUBLIC_PREFIX = "lilicorr."
@@ -269,19 +269,14 @@ class LiLiCorrCorrector(Corrector):
     def score(
         self,
         config: Any,
-        block_hidden: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        candidates: torch.LongTensor,
-        candidate_logits: torch.Tensor,
-        embedding: nn.Module,
-        candidate_log_probs: torch.Tensor | None = None,
-        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
-        seen: torch.Tensor | None = None,
-        corpus: torch.Tensor | None = None,
+        lattice: BlockLattice,
+        embedding: nn.Module | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # It reads the pair lattice whole, anchor pairs first.
-        tokens = self.candidate_tokens(candidates, embedding)  # [R, S, K, h]
-        return self(block_hidden[..., 1:, :], tokens, candidate_log_probs, *anchor, seen, corpus)
+        tokens = self.candidate_tokens(lattice.candidates, embedding)  # [R, S, K, h]
+        anchor_rows, anchor_valid = lattice.anchor
+        return self(lattice.block_hidden[..., 1:, :], tokens, lattice.log_probs, anchor_rows, anchor_valid,
+                    lattice.seen, lattice.corpus)
 
     @classmethod
     def from_config(cls, config: Any) -> LiLiCorrCorrector:

@@ -43,7 +43,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .configuration_dcoco import DCOCOConfig
-from .corrector import ContextBigrams, CorpusBigrams, Corrector, select_candidates
+from .corrector import BlockLattice, ContextBigrams, CorpusBigrams, Corrector, select_candidates
 from .correctors import corrector_class
 from .lilicorr import is_public_folder
 
@@ -541,10 +541,9 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         anchor = None if anchor is None else tuple(scored(*anchor))
         if self.corrector.reads_draft_columns:  # its token tables are draft-vocabulary sized
             anchor_ids, candidates = self.draft_columns(anchor_ids), self.draft_columns(candidates)
-        return self.corrector.score(
-            self.config, block_hidden, anchor_ids, candidates, candidate_logits, self.input_embedding(),
-            candidate_log_probs, anchor, seen, corpus,
-        )
+        lattice = BlockLattice(block_hidden, anchor_ids, candidates, candidate_logits, candidate_log_probs, anchor, seen,
+                               corpus)
+        return self.corrector.score(self.config, lattice, self.input_embedding())
 
     def draft_candidates(
         self,

@@ -44,11 +44,28 @@ then costs O(P K hidden) for the projections plus one broadcast add, instead of 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+@dataclass
+class BlockLattice:
+    """What a corrector scores (`Corrector.score`): R blocks' drafter output and each slot's top-K candidates, with
+    the pair inputs over their lattice (`Corrector.pair_lattice`), as `DCOCODraftModel.score_candidates` gathers
+    them for drafting and training alike."""
+
+    block_hidden: torch.Tensor  # [R, block, H] the drafter output: anchor row, then the slots
+    anchor_ids: torch.LongTensor  # [R] (draft-vocabulary rows with `reads_draft_columns`)
+    candidates: torch.LongTensor  # [R, S, K] (likewise)
+    logits: torch.Tensor  # [R, S, K] the candidates' drafter logits
+    log_probs: torch.Tensor | None = None  # [R, S, K] under each slot's softmax, with `reads_log_probs`
+    anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None  # LiLiCorr's anchor rows [R, H], valid [R]
+    seen: torch.Tensor | None = None  # [R, P, K, K] m(a, b), with `context_bigrams`
+    corpus: torch.Tensor | None = None  # [R, P, K, K, 2] the corpus inputs, with `corpus_bigrams`
 
 
 def zero_linear(inputs: int, outputs: int, bias: bool) -> nn.Linear:
@@ -127,23 +144,11 @@ class Corrector(nn.Module):
     def score(
         self,
         config: Any,
-        block_hidden: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        candidates: torch.LongTensor,
-        candidate_logits: torch.Tensor,
-        embedding: nn.Module,
-        candidate_log_probs: torch.Tensor | None = None,
-        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
-        seen: torch.Tensor | None = None,
-        corpus: torch.Tensor | None = None,
+        lattice: BlockLattice,
+        embedding: nn.Module | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Score R blocks' candidates -> (anchor -> slot 1 scores [R, K] or None, pair scores [R, S - 1, K, K]).
-
-        block_hidden [R, block, H] the drafter output (anchor, then slots); anchor_ids [R]; candidates /
-        candidate_logits / candidate_log_probs [R, S, K]; embedding the target's input embedding; anchor the
-        (rows [R, H], valid [R]) with `reads_anchor_state`; seen [R, P, K, K] / corpus [R, P, K, K, 2] the pair
-        inputs over `pair_lattice`, or None.
-        """
+        """Score R blocks' candidates (`lattice`; embedding: the target's input embedding) -> (anchor -> slot 1 scores
+        [R, K] or None, pair scores [R, S - 1, K, K])."""
         raise NotImplementedError
 
 
@@ -194,27 +199,21 @@ class DCOCOCorrector(Corrector):
     def score(
         self,
         config: Any,
-        block_hidden: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        candidates: torch.LongTensor,
-        candidate_logits: torch.Tensor,
-        embedding: nn.Module,
-        candidate_log_probs: torch.Tensor | None = None,
-        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
-        seen: torch.Tensor | None = None,
-        corpus: torch.Tensor | None = None,
+        lattice: BlockLattice,
+        embedding: nn.Module | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        seen, first_seen = self.split_anchor_pairs(config, seen)
-        corpus, first_corpus = self.split_anchor_pairs(config, corpus, features=1)
+        seen, first_seen = self.split_anchor_pairs(config, lattice.seen)
+        corpus, first_corpus = self.split_anchor_pairs(config, lattice.corpus, features=1)
+        block_hidden = lattice.block_hidden
         slot_hidden = block_hidden[..., 1:, :]  # [R, S, H]
-        candidate_embeds = embedding(candidates).to(slot_hidden.dtype)  # [R, S, K, H]
-        scores = self(slot_hidden, candidate_embeds, candidate_logits, seen, corpus)  # [R, S - 1, K, K]
+        candidate_embeds = embedding(lattice.candidates).to(slot_hidden.dtype)  # [R, S, K, H]
+        scores = self(slot_hidden, candidate_embeds, lattice.logits, seen, corpus)  # [R, S - 1, K, K]
         if not self.scores_first_slot(config):
             return None, scores
         dtype = block_hidden.dtype
         first = self.first_slot_scores(
-            block_hidden[:, 0], embedding(anchor_ids).to(dtype), block_hidden[:, 1],
-            candidate_embeds[..., 0, :, :].to(dtype), candidate_logits[:, 0], first_seen, first_corpus,
+            block_hidden[:, 0], embedding(lattice.anchor_ids).to(dtype), block_hidden[:, 1],
+            candidate_embeds[..., 0, :, :].to(dtype), lattice.logits[:, 0], first_seen, first_corpus,
         )
         return first, scores
 

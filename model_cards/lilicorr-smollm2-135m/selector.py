@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from .corrector import Corrector
+from .corrector import BlockLattice, Corrector
 
 PUBLIC_ARCHITECTURE = "DFlash2DraftModel"
 PUBLIC_PREFIX = "candidate_selector."
@@ -89,20 +89,13 @@ class SelectorCorrector(Corrector):
     def score(
         self,
         config: Any,
-        block_hidden: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        candidates: torch.LongTensor,
-        candidate_logits: torch.Tensor,
-        embedding: nn.Module,
-        candidate_log_probs: torch.Tensor | None = None,
-        anchor: tuple[torch.Tensor, torch.BoolTensor] | None = None,
-        seen: torch.Tensor | None = None,
-        corpus: torch.Tensor | None = None,
+        lattice: BlockLattice,
+        embedding: nn.Module | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """anchor_ids [R] and candidates [R, S, K] arrive as codebook rows (`reads_draft_columns`; -1: none)."""
-        lattice = self.pair_lattice(config, anchor_ids, candidates)  # [R, S + 1, K], the anchor as slot 0
-        scores = self(block_hidden[..., 1:, :], lattice[:, :-1], candidates, candidate_logits)  # [R, S, K, K]
-        return scores[:, 0, 0], scores[:, 1:]
+        tokens = self.pair_lattice(config, lattice.anchor_ids, lattice.candidates)  # [R, S + 1, K], anchor as slot 0
+        scores = self(lattice.block_hidden[..., 1:, :], tokens[:, :-1], lattice.candidates, lattice.logits)
+        return scores[:, 0, 0], scores[:, 1:]  # [R, K], [R, S - 1, K, K]
 
     def forward(
         self,
