@@ -277,7 +277,9 @@ def test_the_cache_write_is_exclusive_and_leaves_nothing_behind_when_refused(tmp
     victim.write_text("keep")
     (tmp_path / f"{key}.{os.getpid()}.tmp").symlink_to(victim)
     again = _drafter(target).attach(target).tuning
-    assert victim.read_text() == "keep" and json.loads(again.cache_file.read_text())["version"] == 2
+    from dcoco_hf.runtime.tuning import _CACHE_VERSION
+
+    assert victim.read_text() == "keep" and json.loads(again.cache_file.read_text())["version"] == _CACHE_VERSION
     # A refused write (the final name is a directory) warns, keeps no cache file and leaves no temporary file.
     again.cache_file.unlink()
     again.cache_file.mkdir()

@@ -115,7 +115,7 @@ def test_unmaskable_layers_are_refused_clearly():
     them today) are named in a one-line error with the alternative, before any work."""
     from types import SimpleNamespace
 
-    from dcoco_hf.runtime.generation import _layer_windows
+    from dcoco_hf.runtime.target_cache import layer_windows as _layer_windows
 
     config = SimpleNamespace(layer_types=["full_attention", "chunked_attention"], sliding_window=None)
     with pytest.raises(ValueError, match=r"not \['chunked_attention'\].*assistant_model=drafter"):
