@@ -77,6 +77,28 @@ def test_links_resolve_on_the_hub(readme):
     assert not relative, f"{readme}: {relative} resolve only inside the repository"
 
 
+def test_the_declared_range_is_the_tested_range():
+    """pyproject allows no torch or transformers that CI does not run: the oldest CI pins are its lower bounds, the
+    newest torch CI installs is the last minor release it allows, and transformers is capped (CI's newest end
+    installs the newest release the cap allows)."""
+    import re
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    declared = {Requirement(spec).name: Requirement(spec).specifier
+                for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    ci = (ROOT / ".ci" / "run").read_text()
+    torches = sorted(Version(v) for v in re.findall(r"torch==([0-9.]+)", ci))
+    oldest_transformers = Version(re.search(r'"transformers==([0-9.]+)\.\*"', ci).group(1))
+    assert all(version in declared["torch"] for version in torches)
+    assert Version(f"{torches[0].major}.{torches[0].minor - 1}") not in declared["torch"]
+    assert Version(f"{torches[-1].major}.{torches[-1].minor + 1}.0") not in declared["torch"]  # untested minor
+    assert oldest_transformers in declared["transformers"]
+    assert Version(f"{oldest_transformers.major}.{oldest_transformers.minor - 1}") not in declared["transformers"]
+    assert any(spec.operator in ("<", "<=") for spec in declared["transformers"])  # a cap: no untested release
+
+
 def test_custom_generate_asks_for_this_package_version():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     requirements = (ROOT / "custom_generate" / "custom_generate" / "requirements.txt").read_text().split()

@@ -126,7 +126,9 @@ class SpeculationEngine:
         self.drafter, self.correct, self.selection = drafter, correct, selection
         config, generation = drafter.config, drafter.generation_config
         self.cache = drafter.draft_cache(context_length)
-        self.stats = [DCOCOStats(drafter.draft_block_size, config.top_k) for _ in range(rows)]  # grow as drafted
+        # The drafter's settings, read once: a cycle enters the drafter only to `propose`.
+        self.block_size, self.timed = drafter.draft_block_size, drafter.time_phases
+        self.stats = [DCOCOStats(self.block_size, config.top_k) for _ in range(rows)]  # grow as drafted
         self.cap, self.floor = proposal_limits(generation, config.block_size - 1)
         self.schedule = drafter.proposal_schedule if drafter.proposal_schedule_name == COST_SCHEDULE else None
         prior = self.schedule.acceptance.prior[0] if self.schedule is not None else 0.0
@@ -173,7 +175,7 @@ class SpeculationEngine:
         proposal = self.drafter.propose(
             anchor, context, position_ids, self.cache, attention_mask, selection=self.selection,
             correct=self.correct, context_ids=context_ids, context_valid=context_valid,
-            timed=self.drafter.time_phases, block_size=block,
+            timed=self.timed, block_size=block,
         )
         k, trees = self._proposal_length(proposal, row_ids, min(cap, block - 1), blind)
         self._proposal, self._plan = proposal, None
@@ -184,7 +186,7 @@ class SpeculationEngine:
         the rows' mean running acceptance and draftable share (`plan_draft`)."""
         self._draftable = [self._draftable_share(row) for row in row_ids]
         if self.schedule is None:
-            self._plan = DraftPlan(self.drafter.draft_block_size, 1.0)
+            self._plan = DraftPlan(self.block_size, 1.0)
         else:
             recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
             draftable = sum(self._draftable) / len(self._draftable)
