@@ -61,7 +61,8 @@ def drafted_blocks(drafter: DCOCODrafter, target, answers: list[tuple[torch.Long
         rows = []
         for anchor in range(prompt_length - 1, ids.shape[1] - 1):
             positions = torch.arange(anchor + drafter.config.block_size)[None]
-            proposal = drafter.propose(ids[:, anchor], states[:, :anchor], positions, DraftContextCache())
+            proposal = drafter.propose(ids[:, anchor], states[:, :anchor], positions, DraftContextCache(),
+                                       context_ids=ids[:, : anchor + 1])  # what a corrector's context bigrams read
             rows.append(proposal.tokens[0])
         blocks.append(torch.stack(rows))
     return blocks
