@@ -197,7 +197,8 @@ def write_report(args: argparse.Namespace, records: list, labels: list[str], pla
     b = args.block_size
     config = {"command": " ".join(sys.argv), "few_rows_linear": not args.plain_linear, "target": target_name,
               "dcoco_drafter": args.dcoco_drafter,
-              "lilicorr_drafter": args.lilicorr_drafter, "selector_drafter": args.selector_drafter, "block_size": b, "max_new_tokens": args.max_new_tokens,
+              "lilicorr_drafter": args.lilicorr_drafter, "selector_drafter": args.selector_drafter, "block_size": b,
+              "max_new_tokens": args.max_new_tokens,
               "prompts_planned": planned, "prompts_done": len(records) // len(labels), "skip": args.skip,
               "limit": args.limit}
     report = build_report(records, labels, config)

@@ -116,8 +116,8 @@ def main() -> None:
     target, drafter = models(device)
     drafter.attach(target, tune=False)
     report = {"command": " ".join(["python", *sys.argv]), "device": str(device), "torch": torch.__version__,
-              "transformers": transformers.__version__, "target": TARGET, "cache": [cache_kinds(target, drafter, device, b, args.new_tokens, args.reps)
-                                          for b in args.batch],
+              "transformers": transformers.__version__, "target": TARGET,
+              "cache": [cache_kinds(target, drafter, device, b, args.new_tokens, args.reps) for b in args.batch],
               "capture": capture(drafter, device, args.backends, args.batch, args.reps)}
     print(json.dumps(report, indent=1))
 

@@ -417,8 +417,8 @@ def static_cache_check(device: torch.device, sizes: Sizes) -> dict:
     """Assisted generate() with `cache_implementation="static"` against plain generate() with the same cache."""
     if not assisted_static_cache():
         return {"status": "skipped", "ok": True,
-                "reason": f"skipped: transformers {transformers.__version__} runs assisted generation on a dynamic cache only "
-                          f"(static from {ASSISTED_STATIC_CACHE})"}
+                "reason": f"skipped: transformers {transformers.__version__} runs assisted generation on a dynamic "
+                          f"cache only (static from {ASSISTED_STATIC_CACHE})"}
     target, drafter = tiny_pair(sizes.archs[-1], device, torch.float32, "sdpa", sizes)
     identical = 0
     prompts = random_prompts(3, target.config.vocab_size, device, seed=4)

@@ -61,7 +61,9 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        target, tokenizer = AutoModelForCausalLM.from_pretrained(args.target).eval(), AutoTokenizer.from_pretrained(args.target)
+        target, tokenizer = (
+            AutoModelForCausalLM.from_pretrained(args.target).eval(), AutoTokenizer.from_pretrained(args.target)
+        )
     prompts_file = args.out / "prompts.json"  # written by regenerate(): resume with exactly the same prompts
     if prompts_file.exists():
         prompts = json.loads(prompts_file.read_text())

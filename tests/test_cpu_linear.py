@@ -1,4 +1,5 @@
-"""Few-row CPU linear layouts (dcoco_hf/runtime/cpu_linear.py): same numbers, same model, still lossless, chosen by timing."""
+"""Few-row CPU linear layouts (dcoco_hf/runtime/cpu_linear.py): same numbers, same model, still lossless, chosen by
+timing."""
 
 from __future__ import annotations
 

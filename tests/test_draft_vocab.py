@@ -16,7 +16,8 @@ from dcoco_hf.training.losses import default_gamma, dflash_loss
 
 
 def _greedy_records(target, rows: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    prompts = torch.randint(0, target.config.vocab_size, (rows, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+    prompts = torch.randint(0, target.config.vocab_size, (rows, PROMPT_LEN),
+                            generator=torch.Generator().manual_seed(seed))
     sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=30, do_sample=False)
     mask = torch.zeros_like(sequences, dtype=torch.bool)
     mask[:, PROMPT_LEN:] = True
@@ -67,7 +68,8 @@ def test_greedy_stays_exact_with_a_draft_vocabulary(fitted, variant):
     drafter.set_draft_vocabulary(ids)
     accepted = 0
     for seed in range(4):
-        prompt = torch.randint(0, target.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+        prompt = torch.randint(0, target.config.vocab_size, (1, PROMPT_LEN),
+                               generator=torch.Generator().manual_seed(seed))
         expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
         got = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter)
         assert got.tolist() == expected.tolist()

@@ -1,5 +1,5 @@
-"""`dcoco_hf.serving.export`: the DFlash backbone in the public z-lab format (what vLLM / SGLang load), and the way back:
-a DCOCO corrector trained on top of a DFlash folder (`train_drafter.py --corrector-only --init DFLASH_FOLDER`)."""
+"""`dcoco_hf.serving.export`: the DFlash backbone in the public z-lab format (what vLLM / SGLang load), and the way
+back: a DCOCO corrector trained on top of a DFlash folder (`train_drafter.py --corrector-only --init DFLASH_FOLDER`)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def _check_format(folder: Path, drafter: DCOCODrafter, block_size: int) -> dict:
         assert torch.equal(value, state[key].cpu()), key
     card = (folder / "README.md").read_text()
     assert "corrector" in card and "vllm serve" in card and "sglang.launch_server" in card
-    assert f'"num_speculative_tokens": {block_size - 1}' in card and f"--speculative-num-draft-tokens {block_size}" in card
+    assert f'"num_speculative_tokens": {block_size - 1}' in card and \
+        f"--speculative-num-draft-tokens {block_size}" in card
     return config
 
 
@@ -222,7 +223,8 @@ def test_cli_export(tmp_path):
         [sys.executable, "-m", "dcoco_hf", "export", str(tmp_path / "bad"), "--block-size", "12"],
         check=False, capture_output=True, text=True, cwd=REPO,
     )
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("dcoco-hf export: error: block size 12")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "dcoco-hf export: error: block size 12")
 
 
 def test_corrector_trains_on_top_of_a_dflash_folder(tmp_path, qwen3_fitted):

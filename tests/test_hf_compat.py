@@ -1,7 +1,7 @@
-"""The adapter to transformers (dcoco_hf/runtime/hf_compat.py) against the installed release: each reader of the assisted
-loop's internals finds what it reads inside a real `generate(assistant_model=drafter)` call, and nothing outside
-one. CI runs this file on the oldest and the newest supported transformers, so a release that moves these internals
-fails here, by name, before any output could change."""
+"""The adapter to transformers (dcoco_hf/runtime/hf_compat.py) against the installed release: each reader of the
+assisted loop's internals finds what it reads inside a real `generate(assistant_model=drafter)` call, and nothing
+outside one. CI runs this file on the oldest and the newest supported transformers, so a release that moves these
+internals fails here, by name, before any output could change."""
 
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def _transformers_private_names() -> set[str]:
 
     classes = (PreTrainedModel, PreTrainedConfig, GenerationConfig, GenerationMixin, AssistedCandidateGenerator,
                CandidateGenerator, Cache, DynamicCache, DynamicLayer, CacheLayerMixin, StoppingCriteriaList)
-    names = {name for cls in classes for name in dir(cls)} | set(vars(GenerationConfig())) | set(vars(PreTrainedConfig()))
+    names = ({name for cls in classes for name in dir(cls)} | set(vars(GenerationConfig()))
+             | set(vars(PreTrainedConfig())))
     names |= {"_eos_token_tensor", "_pad_token_tensor", "_bos_token_tensor", "_decoder_start_token_tensor"}
     names -= set(dir(torch.Tensor)) | set(dir(torch.nn.Module))  # torch's (a tensor's `_version`), not transformers'
     return {name for name in names if name.startswith("_") and not name.startswith("__")}

@@ -112,7 +112,8 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["dcoco_hf.network.modeling_dcoco", "dcoco_hf.network.configuration_dcoco", "dcoco_hf.serving.block_corrector"]
+    "module",
+    ["dcoco_hf.network.modeling_dcoco", "dcoco_hf.network.configuration_dcoco", "dcoco_hf.serving.block_corrector"],
 )
 def test_model_files_import_no_runtime_module(module):
     """The network and its configuration reach only network modules, through any chain of imports; so does the

@@ -76,5 +76,6 @@ def test_leaf_modules_import_no_package_module_but_leaves():
 def test_importing_the_library_loads_no_cli_or_benchmark():
     code = "import sys, dcoco_hf; print(sorted(m for m in sys.modules if m.startswith('dcoco_hf.')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for name in ("dcoco_hf.cli.main", "dcoco_hf.cli.common", "dcoco_hf.cli.bench", "dcoco_hf.cli.batch_bench", "dcoco_hf.assets"):
+    for name in ("dcoco_hf.cli.main", "dcoco_hf.cli.common", "dcoco_hf.cli.bench", "dcoco_hf.cli.batch_bench",
+                 "dcoco_hf.assets"):
         assert f"'{name}'" not in loaded, name

@@ -1,4 +1,5 @@
-"""LiLiCorr corrector (dcoco_hf/network/lilicorr.py), its public checkpoint format, its training loss, and DScout's AWL."""
+"""LiLiCorr corrector (dcoco_hf/network/lilicorr.py), its public checkpoint format, its training loss,
+and DScout's AWL."""
 
 from __future__ import annotations
 

@@ -169,7 +169,8 @@ def test_side_by_side_tables_are_their_json_files(source):
     start, end = bench["table_markers"](source)
     for doc in (ROOT / name for name in TABLES[source]):
         shown = doc.read_text().split(start, 1)[1].split(end, 1)[0].strip()
-        assert shown == bench["markdown_table"](report, source), f"run bench_lilicorr.py --render {source} --write {doc}"
+        assert shown == bench["markdown_table"](report, source), \
+            f"run bench_lilicorr.py --render {source} --write {doc}"
     for segments in report["segments"].values():
         for methods in segments.values():
             assert all(m["equal_to_vanilla"] == 1.0 for m in methods.values() if m["prompts"])

@@ -1,6 +1,6 @@
 """Multi-process training through the real entry point: `accelerate launch --multi_gpu --num_processes 2` on CPU
-(DDP over gloo) runs scripts/train_drafter.py on a tiny random target; both processes end with the same weights and the exported
-checkpoint reloads. Also: the repository's accelerate configs (DDP, FSDP) parse."""
+(DDP over gloo) runs scripts/train_drafter.py on a tiny random target; both processes end with the same weights and the
+exported checkpoint reloads. Also: the repository's accelerate configs (DDP, FSDP) parse."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_two_process_ddp_training_keeps_ranks_in_step_and_the_checkpoint_reloads
         "--block-size", "4", "--top-k", "4", "--num-anchors", "4", "--batch-size", "2", "--max-steps", "3",
         "--max-length", "32", "--lr", "3e-3", "--save-steps", "100",
     ]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, env=quiet_env(), timeout=240, cwd=REPO)
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=quiet_env(), timeout=240,
+                            cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "final" / "training_summary.json").read_text())
     digests = summary["rank_weight_digests"]
@@ -68,7 +69,8 @@ def test_two_process_ddp_training_keeps_ranks_in_step_and_the_checkpoint_reloads
     reloaded.attach(target, tune=False)
     ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
     expected = target.generate(ids, max_new_tokens=12, do_sample=False)
-    assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=reloaded).tolist() == expected.tolist()
+    assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=reloaded).tolist() == \
+        expected.tolist()
 
 
 @pytest.mark.parametrize("name,kind", [("accelerate_ddp.yaml", "MULTI_GPU"), ("accelerate_fsdp.yaml", "FSDP")])

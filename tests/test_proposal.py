@@ -1,5 +1,6 @@
-"""Per-cycle proposal length (dcoco_hf/runtime/proposal.py): the cost model, the acceptance fit, the choice, and exactness
-of `generate(assistant_model=drafter)` under the cost-aware schedule, with plain steps (k = 0) and full blocks."""
+"""Per-cycle proposal length (dcoco_hf/runtime/proposal.py): the cost model, the acceptance fit, the choice, and
+exactness of `generate(assistant_model=drafter)` under the cost-aware schedule, with plain steps (k = 0) and full
+blocks."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from dcoco_hf.runtime.proposal import (
 
 # Cycle costs of three kinds of machine, in seconds (8 verify widths: the fitted drafter drafts blocks of 8).
 FREE_VERIFY = CycleCosts(verify=[1.0] * 8, draft={8: 1e-9})  # a GPU: k = every slot, and drafting always pays
-NEVER_PAYS = CycleCosts(verify=[1.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0], draft={8: 5.0})  # drafting never wins a plain step
+# drafting never wins a plain step
+NEVER_PAYS = CycleCosts(verify=[1.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0], draft={8: 5.0})
 CPU_LIKE = CycleCosts(verify=[1.0, 1.4, 1.6, 1.75, 1.9, 2.0, 2.1, 2.2], draft={8: 0.3})
 
 
@@ -54,7 +56,8 @@ def test_isotonic_fit_is_monotone_and_keeps_sorted_input():
 
 
 def test_cycle_costs_fit_round_trip_and_refuse_other_shapes():
-    costs = CycleCosts.fit({1: [1.0, 1.1, 0.9, 1.0], 2: [0.9, 1.0, 1.0, 5.0], 3: [2.0] * 4}, {2: [0.1] * 4, 4: [0.2] * 4})
+    costs = CycleCosts.fit({1: [1.0, 1.1, 0.9, 1.0], 2: [0.9, 1.0, 1.0, 5.0], 3: [2.0] * 4},
+                           {2: [0.1] * 4, 4: [0.2] * 4})
     assert costs.verify == [1.0, 1.0, 2.0]  # the median of width 2 sits below width 1's: pooled
     assert costs.cycle(0, 4) == 1.0 and costs.cycle(2, 4) == 0.2 + 2.0 and costs.cycle(1, 2) == 0.1 + 1.0
     assert CycleCosts.from_dict(costs.to_dict()) == costs

@@ -5,9 +5,10 @@ activation row can still part greedy paths at a near-tie, as half precision does
 targets have no such near-ties on the tested prompts.)
 
 Tiny random-weight Llama targets are saved in fp32 and loaded back quantized, exactly as a user loads a Hub model;
-the drafter is fitted to the fp32 target (conftest's), so its drafts are often accepted by the quantized one. The 8-bit target uses the CLI's config (rows quantized on their own, no
-outlier columns), the 4-bit one nf4 computing in float32. Also: the CPU few-rows layouts never touch a quantized
-linear, the tap records the quantized model's own hidden states, and `dcoco-hf generate --quantize` runs end to end.
+the drafter is fitted to the fp32 target (conftest's), so its drafts are often accepted by the quantized one. The 8-bit
+target uses the CLI's config (rows quantized on their own, no outlier columns), the 4-bit one nf4 computing in float32.
+Also: the CPU few-rows layouts never touch a quantized linear, the tap records the quantized model's own hidden states,
+and `dcoco-hf generate --quantize` runs end to end.
 """
 
 from __future__ import annotations
@@ -334,7 +335,8 @@ def test_cli_quantize_without_bitsandbytes_fails_before_loading(saved, monkeypat
     from test_cli import run_cli
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     result = run_cli("generate", "hi", "--quantize", "4bit", "--target", saved[0])
     assert result.code == 1
     assert "needs the bitsandbytes package" in result.err and "pip install 'dcoco-hf[bnb]'" in result.err

@@ -33,7 +33,9 @@ def test_every_recipe_parses_into_valid_arguments(script, recipe):
     assert args.stage in (1, 2) and args.data and args.output
     assert (args.init is None) == (args.stage == 1)
     for token in script.recipe_argv(script.build_parser(), recipe):  # every key is one of the script's options
-        assert not token.startswith("--") or token[2:] in {a.option_strings[-1][2:] for a in script.build_parser()._actions}
+        assert not token.startswith("--") or token[2:] in {
+            a.option_strings[-1][2:] for a in script.build_parser()._actions
+        }
 
 
 def test_command_line_flags_override_the_recipe(script):

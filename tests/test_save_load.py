@@ -20,7 +20,8 @@ from dcoco_hf.runtime.context_cache import DraftContextCache
 from dcoco_hf.training import target_context
 
 # A saved folder carries the network's code only; the runtime (candidate_generator.py and the rest) is the package's.
-CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "correctors.py", "lilicorr.py", "selector.py")
+CODE_FILES = ("configuration_dcoco.py", "modeling_dcoco.py", "corrector.py", "correctors.py", "lilicorr.py",
+              "selector.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_dcoco.DCOCOConfig",
     "AutoModel": "modeling_dcoco.DCOCODraftModel",

@@ -100,7 +100,8 @@ def test_fresh_selector_proposes_the_drafter_argmax(selector_setup):
     on, off = propose(fresh, target), propose(fresh, target, correct=False)
     # Zero successor codes: every score is the candidate's drafter logit, so the walk takes candidate 0 everywhere.
     torch.testing.assert_close(on.first_slot_scores, on.candidate_logits[:, 0])
-    torch.testing.assert_close(on.transition_scores, on.candidate_logits[:, 1:, None, :].expand_as(on.transition_scores))
+    torch.testing.assert_close(on.transition_scores,
+                               on.candidate_logits[:, 1:, None, :].expand_as(on.transition_scores))
     assert torch.equal(on.chosen, torch.zeros_like(on.chosen)) and torch.equal(on.tokens, off.tokens)
 
 

@@ -160,7 +160,9 @@ def test_cache_kind_choice():
     assert not generation.static_cache_wanted(unset, torch.device("cpu"))
     for kind, static in (("static", True), ("hybrid", True), ("dynamic", False)):
         for device in ("cpu", "cuda"):
-            assert generation.static_cache_wanted(GenerationConfig(cache_implementation=kind), torch.device(device)) is static
+            assert generation.static_cache_wanted(
+                GenerationConfig(cache_implementation=kind), torch.device(device)
+            ) is static
     with pytest.raises(ValueError, match=r"cache_implementation='offloaded' is not supported.*\"static\" or"):
         generation.static_cache_wanted(GenerationConfig(cache_implementation="offloaded"), torch.device("cpu"))
 

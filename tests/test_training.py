@@ -299,7 +299,8 @@ def test_train_script_refuses_architecture_flags_next_to_init():
 @pytest.mark.parametrize(
     "flags,message",
     [(["--stage", "1", "--corrector-only"], "use it with --stage 2 --init FOLDER"),
-     (["--stage", "2", "--context-bigrams"], "--context-bigrams adds an input to the corrector of an existing drafter")],
+     (["--stage", "2", "--context-bigrams"],
+      "--context-bigrams adds an input to the corrector of an existing drafter")],
     ids=["corrector-only", "context-bigrams"],
 )
 def test_train_script_corrector_flags_need_stage_2_and_init(flags, message):

@@ -117,7 +117,8 @@ def test_cli_exports_the_shipped_selector_for_the_plugin(tmp_path):
     assert result.returncode == 0, result.stderr
     config, tensors = _load(tmp_path / "out")
     assert config["architectures"] == [ARCHITECTURE] and config["dcoco_config"]["model"]["corrector_type"] == "dflash2"
-    assert {"corrector.predecessor_codebook", "corrector.successor_codebook", "fc.weight", "draft_token_ids"} <= set(tensors)
+    assert {"corrector.predecessor_codebook", "corrector.successor_codebook", "fc.weight",
+            "draft_token_ids"} <= set(tensors)
     assert "DFlash2 candidate selector" in (tmp_path / "out" / "README.md").read_text()
 
 

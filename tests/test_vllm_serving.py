@@ -48,7 +48,8 @@ def served(tmp_path_factory) -> dict:
          "--dflash2", str(SELECTOR)],
         capture_output=True, text=True, cwd=REPO, timeout=1500,
     )
-    assert out.exists(), f"vllm_bench.py failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert out.exists(), \
+        f"vllm_bench.py failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return json.loads(out.read_text())["summary"]
 
 

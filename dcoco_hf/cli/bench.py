@@ -561,7 +561,8 @@ def format_report(report: dict[str, Any]) -> str:
     parts.extend(filter(None, (format_proposals(method, s) for method, s in report["methods"].items())))
     equal = [s["equal_to_vanilla"] for s in report["methods"].values()]
     if mode == "greedy" and any(e is not None and e < 1 for e in equal):
-        parts.append(f"outputs differ from plain generate(): {greedy_mismatch_reason(config.get('dtype', '?'), config.get('quantization'))}")
+        parts.append("outputs differ from plain generate(): "
+                     f"{greedy_mismatch_reason(config.get('dtype', '?'), config.get('quantization'))}")
     return "\n\n".join(parts)
 
 

@@ -84,8 +84,8 @@ def common_options() -> argparse.ArgumentParser:
                         help="model dtype (default auto: bfloat16 on GPU, float32 on CPU)")
     common.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default=None,
                         help="attention implementation (default: sdpa_cpu_gqa on CPU, which skips transformers' "
-                        "key/value expansion in masked multi-token forwards (dcoco_hf/runtime/cpu_attention.py); on GPU "
-                        "flash_attention_2 when flash_attn is installed, else sdpa)")
+                        "key/value expansion in masked multi-token forwards (dcoco_hf/runtime/cpu_attention.py); "
+                        "on GPU flash_attention_2 when flash_attn is installed, else sdpa)")
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 is fastest for tiny models)")
     common.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
@@ -100,8 +100,8 @@ def common_options() -> argparse.ArgumentParser:
     common.add_argument("--plain-linear", action="store_true",
                         help="on CPU, keep torch's GEMM for few-row forwards of the target and drafter instead of "
                         "the fastest layout measured on this machine (W @ x^T or MKL's packed GEMM), which makes "
-                        "verify and draft forwards cheaper (dcoco_hf/runtime/cpu_linear.py); plain decoding is identical "
-                        "either way")
+                        "verify and draft forwards cheaper (dcoco_hf/runtime/cpu_linear.py); plain decoding is "
+                        "identical either way")
     return common
 
 
@@ -456,9 +456,9 @@ def attach_drafter(
     choose_block: bool = True,
 ) -> None:
     """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, then attach it to the
-    target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/runtime/tuning.py) for every block
-    the run may draft. Unsuffixed drafter methods draft the --block-size given, or with auto (the default where the
-    drafter records block_tau, when `choose_block`) the one of highest recorded tau per cycle timed here."""
+    target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/runtime/tuning.py) for every
+    block the run may draft. Unsuffixed drafter methods draft the --block-size given, or with auto (the default where
+    the drafter records block_tau, when `choose_block`) the one of highest recorded tau per cycle timed here."""
     named = named_block_sizes(methods)
     requested = getattr(args, "block_size", None)
     if named and requested is not None:

@@ -240,7 +240,8 @@ class DCOCOCorrector(Corrector):
         ).to(self.delta_out.weight)
         state = wide.state_dict()
         for name, tensor in self.state_dict().items():
-            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits", "delta_seen", "delta_corpus")):
+            if name.startswith(("delta_pair", "delta_prev", "delta_next", "delta_logits", "delta_seen",
+                                "delta_corpus")):
                 state[name][:old_hidden] = tensor
             elif name == "delta_out.weight":  # [1, hidden]
                 state[name].zero_()[:, :old_hidden] = tensor
@@ -332,13 +333,14 @@ class DCOCOCorrector(Corrector):
         -> [B, P, Ka, Kb]."""
         if (seen is None) != (self.delta_seen is None):
             raise ValueError(
-                "m(a, b) goes with the corrector's context_bigrams setting: pass seen=ContextBigrams(...).seen(...) exactly when "
-                f"the config has context_bigrams=True (this corrector: {self.delta_seen is not None})."
+                "m(a, b) goes with the corrector's context_bigrams setting: pass seen=ContextBigrams(...).seen(...) "
+                f"exactly when the config has context_bigrams=True (this corrector: {self.delta_seen is not None})."
             )
         if (corpus is None) != (self.delta_corpus is None):
             raise ValueError(
-                "The corpus inputs go with the corrector's corpus_bigrams setting: pass corpus=CorpusBigrams.inputs(...) "
-                f"exactly when the config has corpus_bigrams set (this corrector: {self.delta_corpus is not None})."
+                "The corpus inputs go with the corrector's corpus_bigrams setting: "
+                "pass corpus=CorpusBigrams.inputs(...) exactly when the config has corpus_bigrams set "
+                f"(this corrector: {self.delta_corpus is not None})."
             )
         w = self.delta_logits.weight  # [hidden, 2]
         hidden = (

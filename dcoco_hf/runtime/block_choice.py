@@ -197,7 +197,9 @@ def measure_cycle_costs(
     )
 
 
-def choose_block_size(drafter: DCOCODrafter, costs: CycleCosts, block_sizes: list[int] | None = None) -> BlockSizeChoice:
+def choose_block_size(
+    drafter: DCOCODrafter, costs: CycleCosts, block_sizes: list[int] | None = None
+) -> BlockSizeChoice:
     """The block size of largest recorded tau / modelled cycle (draft + verify of B rows) among `block_sizes`
     (default: every size in the drafter's `block_tau`), for the constant schedule. Apply it with
     `set_block_size(drafter, choice.block_size)`."""

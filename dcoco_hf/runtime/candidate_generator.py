@@ -224,7 +224,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         proposal, k, _ = self.engine.draft(  # the assisted loop verifies chains (no tree budget)
             committed[-1:], anchor_position, context[None], positions[None], [0], cap, context_ids=committed[None]
         )
-        tokens = cut_at_stop(self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores)
+        tokens = cut_at_stop(
+            self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores
+        )
         self._draft_forwards = self.tap.forward_count
         self._pending = (tokens.shape[1], proposal.tokens.shape[1] + 1)
         self._last_committed = committed
@@ -436,5 +438,5 @@ def one_hot_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.FloatTens
     return logits.scatter_(-1, tokens[..., None], 0.0)
 
 
-__all__ = ["DCOCOCandidateGenerator", "EngineHandle", "assisted_cycle", "cut_at_stop", "one_hot_logits", "start_assisted_call",
-           "tokens_before_stop"]
+__all__ = ["DCOCOCandidateGenerator", "EngineHandle", "assisted_cycle", "cut_at_stop", "one_hot_logits",
+           "start_assisted_call", "tokens_before_stop"]

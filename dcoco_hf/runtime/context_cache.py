@@ -76,7 +76,8 @@ class StaticDraftContextCache:
     # -------------------------------------------------------------------------------------- the forward's side
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any) -> tuple[torch.Tensor, ...]:
-        """Write key/value [B, kv_heads, N + Q, D] at `write_at`; return the whole buffers [B, kv_heads, capacity, D]."""
+        """Write key/value [B, kv_heads, N + Q, D] at `write_at`; return the whole buffers
+        [B, kv_heads, capacity, D]."""
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         keys.index_copy_(2, self.write_at, key.to(keys.dtype))
         values.index_copy_(2, self.write_at, value.to(values.dtype))
@@ -99,7 +100,9 @@ class StaticDraftContextCache:
         context_end, block_start = self.length + new_rows, self.length + padded_rows
         seen[..., :context_end] = visible[..., :context_end]
         seen[..., block_start:needed] = visible[..., context_end:]
-        additive = torch.zeros(seen.shape, dtype=self.dtype, device=device).masked_fill_(~seen, torch.finfo(self.dtype).min)
+        additive = torch.zeros(seen.shape, dtype=self.dtype, device=device).masked_fill_(
+            ~seen, torch.finfo(self.dtype).min
+        )
         return additive[:, None]  # [B, 1, Q, capacity]
 
     def _allocate(self, batch: int, capacity: int, device: torch.device) -> None:

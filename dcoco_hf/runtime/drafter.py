@@ -146,8 +146,8 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         """Bind the drafter to `target`: borrow its embedding and lm_head and tap its hidden states. Returns self.
 
         With `tune` (the default), also make both fast on the device at hand and log one line saying how
-        (`dcoco_hf.runtime.tuning.tune`: on CPU the GQA-aware attention and the measured few-rows linear layouts, on every
-        device the block size of highest recorded tau per timed cycle; measured once per machine and model pair,
+        (`dcoco_hf.runtime.tuning.tune`: on CPU the GQA-aware attention and the measured few-rows linear layouts, on
+        every device the block size of highest recorded tau per timed cycle; measured once per machine and model pair,
         then read from a disk cache). `tune_options` go to `tune` (e.g. `block_size=4`, `batch_size=8`).
         Plain `generate()` of the target stays bit-identical while attached; `detach()` undoes everything.
         """

@@ -482,4 +482,5 @@ def call_statistics(drafter: AttachedDrafter, sequences: torch.LongTensor | None
     return call.stats
 
 
-__all__ = ["Call", "SpeculationEngine", "call_statistics", "claim", "keep_call_statistics", "one_call", "proposal_limits"]
+__all__ = ["Call", "SpeculationEngine", "call_statistics", "claim", "keep_call_statistics", "one_call",
+           "proposal_limits"]

@@ -24,8 +24,8 @@ k. Chat, whose drafts rarely survive past the second slot, drafts short blocks; 
 The costs come from `CycleCosts`, timed when the drafter is attached (`block_choice.measure_cycle_costs`): robust to a
 noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine; what they miss is learned
 from the cycles' own wall times (`loop`, and `loop(B)` from the cycles that drafted B). When even the best block is
-not expected to beat a plain step, the cycles after this one are plain steps (k = 0: no draft, a 1-row forward), for 1, 2,
-4, ... up to `MAX_PLAIN_RUN` cycles while drafts keep failing, so a drafter that cannot guess the text costs a draft
+not expected to beat a plain step, the cycles after this one are plain steps (k = 0: no draft, a 1-row forward), for 1,
+2, 4, ... up to `MAX_PLAIN_RUN` cycles while drafts keep failing, so a drafter that cannot guess the text costs a draft
 now and then instead of every cycle.
 
 Lossless whatever k is: the target verifies every proposed token, and k depends only on the drafter's side.
@@ -181,7 +181,8 @@ class CycleCosts:
         verify = [_positive_seconds(v) for v in verify]
         draft = {int(b): _positive_seconds(s) for b, s in draft.items()}
         spread = _spread(spread)
-        if verify != isotonic(verify) or not all(2 <= b <= MAX_TIMED_BLOCK for b in draft) or len(verify) > MAX_TIMED_ROWS:
+        if (verify != isotonic(verify) or not all(2 <= b <= MAX_TIMED_BLOCK for b in draft)
+                or len(verify) > MAX_TIMED_ROWS):
             raise ValueError(
                 f"cycle costs out of range (verify must be non-decreasing, blocks in [2, {MAX_TIMED_BLOCK}])"
             )
@@ -339,7 +340,9 @@ class AcceptanceModel:
             typical.append(_sigmoid(last))
         return typical
 
-    def observe(self, confidence: Sequence[float], recent: float, labels: Sequence[bool], draftable: float = 1.0) -> None:
+    def observe(
+        self, confidence: Sequence[float], recent: float, labels: Sequence[bool], draftable: float = 1.0
+    ) -> None:
         """One block's labelled slots: labels[j] whether slot j was right, for the slots every earlier one of which
         was right (the chain's condition), in order."""
         for slot, (c, label) in enumerate(zip(confidence[: self.slots], labels)):
@@ -602,8 +605,8 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 
 __all__ = [
-    "COST_SCHEDULE", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan", "NodeFeatures", "ProposalChoice",
-    "ProposalSchedule",
+    "COST_SCHEDULE", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan",
+    "NodeFeatures", "ProposalChoice", "ProposalSchedule",
     "chain_labels", "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
     "next_plain_run", "slot_confidence", "update_recent",
 ]

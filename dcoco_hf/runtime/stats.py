@@ -2,9 +2,9 @@
 
 Every counter is filled through an `observe_*` method by whoever sees the event: the `SpeculationEngine` of a call
 (transformers' assisted loop or the batched `speculative_generate`) observes its drafts, what the target accepted
-and, at the end of the call, which committed tokens were in each slot's candidates; the benchmark observes the drafts of every method, DCOCO's or
-not, from its trace of target forwards. Rates (tau, per-slot and chain acceptance, the ceilings of tau) are read
-from the counters on demand, so merging runs is a sum and nothing is counted twice.
+and, at the end of the call, which committed tokens were in each slot's candidates; the benchmark observes the drafts of
+every method, DCOCO's or not, from its trace of target forwards. Rates (tau, per-slot and chain acceptance, the ceilings
+of tau) are read from the counters on demand, so merging runs is a sum and nothing is counted twice.
 
 The tau ceilings follow the DCOCO paper's analysis of the prefix-first walk: committing stops at the first wrong slot,
 so a slot counts only while every slot before it was right.

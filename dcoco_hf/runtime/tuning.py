@@ -100,7 +100,8 @@ class Tuning:
                          f"{self.costs.verify[-1] / self.costs.plain:.2f}x it (spread {100 * self.costs.spread:.0f}%)")
         parts.extend(self.notes)
         if self.cache_file is not None:
-            parts.append(f"{'measurements read from' if self.from_cache else 'measured and cached in'} {self.cache_file}")
+            parts.append(f"{'measurements read from' if self.from_cache else 'measured and cached in'} "
+                         f"{self.cache_file}")
         return "; ".join(parts)
 
 
@@ -189,7 +190,9 @@ def tune(
     tuning.costs = CycleCosts.from_dict(cached_costs) if cached_costs else measure_cycle_costs(
         target, drafter, blocks, max_rows=widest
     )
-    tuning.batch_costs = {int(size): CycleCosts.from_dict(costs) for size, costs in cached.get("batch_costs", {}).items()}
+    tuning.batch_costs = {
+        int(size): CycleCosts.from_dict(costs) for size, costs in cached.get("batch_costs", {}).items()
+    }
     if choices and not cost_aware:
         tuning.block_choice = choose_block_size(drafter, tuning.costs, choices)
         set_block_size(drafter, tuning.block_choice.block_size)

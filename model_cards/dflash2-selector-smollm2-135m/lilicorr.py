@@ -26,11 +26,11 @@ Architecture, parameter names and config keys follow the public implementations 
 plugin, the SGLang and vLLM serving heads), so checkpoints move both ways (`to_public_format`,
 `public_state_dict`); the weights live under `corrector.` here and `lilicorr.` there.
 
-Our one addition is a gate, a zero-initialised scalar (`score_gate`, times GATE_RATE) that multiplies every score: an untrained head scores
-every candidate 0, so the walk returns the drafter's own argmax (the first of equal maxima, which is candidate 0,
-the drafter's top-1), exactly as DCOCO's zero-initialised output layer does. The public head has no such gate and no
-additive log-prob prior (the log-probs only enter as features), and its freshly initialised factor heads give random
-scores; the gate keeps the public scoring function intact, since logit_scale * gate is just that function's
+Our one addition is a gate, a zero-initialised scalar (`score_gate`, times GATE_RATE) that multiplies every score: an
+untrained head scores every candidate 0, so the walk returns the drafter's own argmax (the first of equal maxima, which
+is candidate 0, the drafter's top-1), exactly as DCOCO's zero-initialised output layer does. The public head has no such
+gate and no additive log-prob prior (the log-probs only enter as features), and its freshly initialised factor heads
+give random scores; the gate keeps the public scoring function intact, since logit_scale * gate is just that function's
 `logit_scale`: exporting folds it in, and loading a public checkpoint sets the gate to 1.
 
 Our extension, off unless the config turns on `context_bigrams` or `corpus_bigrams` (the DCOCO corrector's two
@@ -283,9 +283,9 @@ class LiLiCorrCorrector(Corrector):
         """The head a `DCOCOConfig` for this corrector describes."""
         return cls(
             config.hidden_size, config.block_size, config.top_k, config.lilicorr_hidden_size,
-            config.lilicorr_num_layers, config.lilicorr_num_heads, config.lilicorr_mlp_ratio, config.lilicorr_factor_dim,
-            config.lilicorr_vector_eps, config.lilicorr_logit_scale, config.rms_norm_eps, config.context_bigrams,
-            bool(config.corpus_bigrams),
+            config.lilicorr_num_layers, config.lilicorr_num_heads, config.lilicorr_mlp_ratio,
+            config.lilicorr_factor_dim, config.lilicorr_vector_eps, config.lilicorr_logit_scale, config.rms_norm_eps,
+            config.context_bigrams, bool(config.corpus_bigrams),
         )
 
     def init_weights(self) -> None:
@@ -488,7 +488,8 @@ def public_config(config: Any, gate: float) -> dict[str, Any]:
         )
     rope = dict(config.rope_parameters)
     dflash = {
-        "block_size": config.block_size, "mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids,
+        "block_size": config.block_size, "mask_token_id": config.mask_token_id,
+        "target_layer_ids": config.target_layer_ids,
         "projector_type": "lilicorr", "lilicorr_enabled": True, "lilicorr_candidate_topk": config.top_k,
         "lilicorr_hidden_size": 0 if config.lilicorr_hidden_size == config.hidden_size else config.lilicorr_hidden_size,
         "lilicorr_num_layers": config.lilicorr_num_layers, "lilicorr_num_heads": config.lilicorr_num_heads,
