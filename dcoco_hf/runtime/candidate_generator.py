@@ -258,8 +258,10 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         if started is not None:  # the prompt's cycle is not timed: its prefill is no cycle cost
             self.engine.observe_cycle_time([0], now - started, proposed, block, [len(new)])
         driver = self.driver
+        # After a run of plain steps: draft again if the plan says it pays (else it plans another run).
         if not self.engine.plain_left and driver is not None and proposal_length(driver) == 0:
-            set_proposal_length(driver, self._driver_tokens)
+            if self.engine.draft_block([0], self.engine.cap) is not None:
+                set_proposal_length(driver, self._driver_tokens)
 
     @property
     def driver(self) -> AssistedCandidateGenerator | None:

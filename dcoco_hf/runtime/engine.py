@@ -33,6 +33,7 @@ from .proposal import (
     DraftPlan,
     chain_labels,
     draftable_share,
+    PROBE_EVERY,
     fade_recent,
     next_plain_run,
     slot_confidence,
@@ -135,6 +136,7 @@ class SpeculationEngine:
         self.recent = [prior] * rows  # per row: its running slot-1 acceptance
         self.plain_run = 0  # the last run of plain steps the schedule planned
         self.plain_left = 0  # plain steps still to take before the next draft
+        self._plain_since_draft = 0  # plain steps taken since the last draft
         ids = drafter.draft_token_ids
         self.draft_vocabulary = frozenset(ids.tolist()) if ids is not None and self.schedule is not None else None
         self.answers: list[list[int]] = [[] for _ in range(rows)]  # each row's committed answer tokens
@@ -168,7 +170,7 @@ class SpeculationEngine:
         anchor_positions [b]; context [b, N, n_layers * H] the target states not yet in the drafter cache at
         context_positions [b, N]; masks and context ids as in `DCOCODrafter.propose` (the mask sized for
         `draft_block(row_ids, cap)`'s block)."""
-        block = self._plan.block if self._plan is not None else self.draft_block(row_ids, cap)
+        block = self._plan.block if self._plan is not None else self.draft_block(row_ids, cap, may_skip=False)
         offsets = torch.arange(block, device=anchor.device)
         position_ids = torch.cat([context_positions, anchor_positions[:, None] + offsets], dim=1)  # [b, N + block]
         blind = self.cache.get_seq_length() == context.shape[1] == 0  # no target state read: nothing to learn from
@@ -178,19 +180,26 @@ class SpeculationEngine:
             timed=self.timed, block_size=block,
         )
         k, trees = self._proposal_length(proposal, row_ids, min(cap, block - 1), blind)
-        self._proposal, self._plan = proposal, None
+        self._proposal, self._plan, self._plain_since_draft = proposal, None, 0
         return proposal, k, trees
 
-    def draft_block(self, row_ids: Sequence[int], cap: int) -> int:
+    def draft_block(self, row_ids: Sequence[int], cap: int, may_skip: bool = True) -> int | None:
         """The block (anchor + slots) the next `draft` drafts: the configured one, or the cost-aware schedule's for
-        the rows' mean running acceptance and draftable share (`plan_draft`)."""
+        the rows' mean running acceptance and draftable share (`plan_draft`). None (with `may_skip`): no draft this
+        cycle but another run of plain steps (`plain_left`), because after the last one the plan still says drafting
+        would not pay; a draft probes again at the latest after `PROBE_EVERY` plain steps, as the text may change
+        in ways the plan cannot see."""
         self._draftable = [self._draftable_share(row) for row in row_ids]
         if self.schedule is None:
             self._plan = DraftPlan(self.block_size, 1.0)
-        else:
-            recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
-            draftable = sum(self._draftable) / len(self._draftable)
-            self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor, batch=len(row_ids))
+            return self._plan.block
+        recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
+        draftable = sum(self._draftable) / len(self._draftable)
+        self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor, batch=len(row_ids))
+        if may_skip and self.plain_run and self._plan.gain < 1.0 and self._plain_since_draft < PROBE_EVERY:
+            self.plain_run = self.plain_left = next_plain_run(self._plan.gain, self.plain_run)
+            self._plan = None
+            return None
         return self._plan.block
 
     def prefilled(self, row_ids: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
@@ -232,6 +241,7 @@ class SpeculationEngine:
             self._settle(row)
         if proposal is None and self.plain_left:
             self.plain_left -= 1
+            self._plain_since_draft += 1
             prior = self.schedule.acceptance.prior[0]
             for row in row_ids:
                 self.recent[row] = fade_recent(self.recent[row], prior)

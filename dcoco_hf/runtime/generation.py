@@ -368,6 +368,8 @@ def _propose(call: _Call, rows: _Rows) -> _Block:
     if engine.plain_left:  # a plain step for every row: no draft, the anchor alone
         return _Block.chain(rows.anchor[:, None][:, :0], None)
     drafted = engine.draft_block(rows.ids, call.cap)  # anchor + slots
+    if drafted is None:  # drafting is not expected to pay yet: plain steps (the first now)
+        return _Block.chain(rows.anchor[:, None][:, :0], None)
     # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes its
     # unmasked path; else it gets the full mask, which it uses without first reading it for a masked key (a sync, as
     # for a key mask).

@@ -45,9 +45,12 @@ import torch
 # The schedules `num_assistant_tokens_schedule` may name (the drafter's generation config).
 COST_SCHEDULE = "cost"
 SCHEDULES = (COST_SCHEDULE, "constant", "heuristic", "heuristic_transient")
-# Longest run of plain steps between two drafts that probe whether drafting pays again (the target tap keeps the
-# states of that many forwards for the next draft's context: tap.TargetTap's max_pending).
+# Longest run of plain steps the schedule plans at once, before it asks again whether drafting pays.
 MAX_PLAIN_RUN = 16
+# The most plain steps in a row while the plan says drafting would not pay (`SpeculationEngine.draft_block`): then a
+# draft checks anyway, since the text may have changed in ways the plan, which reads only past drafts, cannot see.
+# The target tap keeps the states of that many forwards for the next draft's context (`TargetTap.max_pending`).
+PROBE_EVERY = 64
 # The longest block whose cycle costs are timed and cached (`CycleCosts`), and the most verify columns they hold:
 # `tune` refuses larger blocks rather than timing them for minutes.
 MAX_TIMED_BLOCK = 64
@@ -605,8 +608,8 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 
 __all__ = [
-    "COST_SCHEDULE", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS", "SCHEDULES", "AcceptanceModel", "CycleCosts", "DraftPlan",
-    "NodeFeatures", "ProposalChoice", "ProposalSchedule",
-    "chain_labels", "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
-    "next_plain_run", "slot_confidence", "update_recent",
+    "AcceptanceModel", "COST_SCHEDULE", "CycleCosts", "DraftPlan", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS",
+    "NodeFeatures", "PROBE_EVERY", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "chain_labels", "chain_prior",
+    "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic", "next_plain_run",
+    "slot_confidence", "update_recent",
 ]

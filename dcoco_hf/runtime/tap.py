@@ -63,9 +63,9 @@ class TargetTap:
     test per hooked module and stores nothing.
     """
 
-    # Forwards kept until the engine drains them at its next draft: a verify, up to 16 plain steps the cost-aware
-    # schedule takes instead of drafting (`proposal.MAX_PLAIN_RUN`), and a final step; every one of them is context.
-    def __init__(self, target: nn.Module, layer_ids: list[int], max_pending: int = 20) -> None:
+    # Forwards kept until the engine drains them at its next draft: a verify, up to 64 plain steps the cost-aware
+    # schedule takes instead of drafting (`proposal.PROBE_EVERY`), and a final step; every one of them is context.
+    def __init__(self, target: nn.Module, layer_ids: list[int], max_pending: int = 68) -> None:
         self.layer_ids = list(layer_ids)
         self.max_pending = max_pending
         self.listening = False
