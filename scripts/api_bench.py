@@ -1,17 +1,22 @@
 """The speed a Transformers user gets: `from_pretrained`, `attach`, `generate`, and nothing else.
 
     python scripts/api_bench.py                                   # 16 held-out chat + code prompts (mixed-heldout)
-    python scripts/api_bench.py --suite humaneval --limit 20 --json docs/api_bench_humaneval.json
+    python scripts/api_bench.py --suites humaneval:20,mtbench:20,mixed-heldout,hard-to-draft --json out.json
+    python scripts/api_bench.py --methods plain,assisted,batched  # also speculative_generate, one prompt at a time
     python scripts/api_bench.py --processes 3 --json out.json     # 3 fresh processes, each with a fresh tuning cache
 
 The target and the drafter load with `from_pretrained` (the drafter through `AutoModel` with remote code, as from
 the Hub), `drafter.attach(target)` tunes both for this machine, and every run is a plain `target.generate()` call,
-with or without `assistant_model=drafter`. For each prompt the two run back to back, in an order alternated per
-prompt, so slow spells of a noisy machine slow both alike. Printed: tau (tokens committed per target forward, from
-`drafter.generation_stats`), the speedup as the ratio of tokens per second, the corrector's share of the
-speculative runs' time, and how many outputs are identical to plain greedy decoding. With `--processes N` the
-whole run repeats in N fresh processes, each tuning from scratch (its own empty tuning cache), and the report gives
-each process's figures and their spread: how far a user's speed can swing from one start to the next.
+with or without `assistant_model=drafter` ("assisted"); "batched" is `speculative_generate` on the one prompt (the
+batched loop at batch 1: draft trees, `tree_budget`). For each prompt the methods run back to back, in an order
+rotated per prompt, so slow spells of a noisy machine slow all alike. Printed per suite: tau (tokens committed per
+target forward, from `drafter.generation_stats`), the speedup as the ratio of tokens per second to plain, the
+corrector's share of the drafter's time, and how many outputs are identical to plain greedy decoding; first, the
+tuning line of the run (plain step, verify of 8 rows as a multiple of it), on which every speedup depends: compare
+yours with it. Suites: humaneval and mtbench (their first N prompts with `name:N`, after `--skip`), or a prompts
+file in scripts/prompts/ by its name. With `--processes N` the whole run repeats in N fresh processes, each tuning
+from scratch (its own empty tuning cache), and the report gives each process's figures and their spread: how far a
+user's speed can swing from one start to the next.
 """
 
 from __future__ import annotations
@@ -29,23 +34,34 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from dcoco_hf.assets import default_target_path, load_prompts_file, suite_prompts
+from dcoco_hf import DCOCOStats, speculative_generate
+from dcoco_hf.assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from dcoco_hf.runtime.proposal import SCHEDULES
 from dcoco_hf.runtime.tuning import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"
-DEFAULT_PROMPTS = ROOT / "scripts" / "prompts" / "mixed-heldout.jsonl"
+PROMPT_FILES = ROOT / "scripts" / "prompts"
+METHODS = ("plain", "assisted", "batched")
 
 
-def load_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = suite_prompts(args.suite) if args.suite else load_prompts_file(args.prompts)
-    return prompts[args.skip : None if args.limit is None else args.skip + args.limit]
+def load_suite(spec: str, skip: int) -> tuple[str, list[str]]:
+    """("humaneval", prompts) from "humaneval" or "humaneval:20" (its first 20 after `skip`); a prompts file of
+    scripts/prompts/ by its name ("mixed-heldout")."""
+    name, _, limit = spec.partition(":")
+    if name in SUITES:
+        prompts = suite_prompts(name)
+    elif (PROMPT_FILES / f"{name}.jsonl").is_file():
+        prompts = load_prompts_file(PROMPT_FILES / f"{name}.jsonl")
+    else:
+        raise SystemExit(f"--suites {spec}: no suite or scripts/prompts/{name}.jsonl; suites: {', '.join(SUITES)}")
+    prompts = prompts[skip:]
+    return name, prompts[: int(limit)] if limit else prompts
 
 
-def timed_generate(target, inputs, **kwargs) -> tuple[torch.LongTensor, float]:
+def timed(run) -> tuple[torch.LongTensor, float]:
     start = time.perf_counter()
-    out = target.generate(**inputs, **kwargs)
+    out = run()
     return out, time.perf_counter() - start
 
 
@@ -53,10 +69,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter folder or Hub id")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help='jsonl file, one {"prompt": ...} per line')
-    parser.add_argument("--suite", default=None, choices=("humaneval", "mtbench"), help="a suite instead of --prompts")
-    parser.add_argument("--skip", type=int, default=0)
-    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--suites", default="mixed-heldout",
+                        help="comma-separated suites: humaneval[:N], mtbench[:N], or a scripts/prompts/ file's name")
+    parser.add_argument("--skip", type=int, default=0, help="leave out each suite's first N prompts")
+    parser.add_argument("--methods", default="plain,assisted", help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None,
                         help="attach(target, block_size=B) instead of the block attach chooses for this machine")
@@ -67,8 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="repeat the whole run in N fresh processes, each with an empty tuning cache")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    methods = [m for m in args.methods.split(",") if m]
+    if "plain" not in methods or set(methods) - set(METHODS):
+        raise SystemExit(f"--methods {args.methods}: plain and any of {','.join(METHODS[1:])}")
     if args.processes > 1:
         return repeat_in_processes(args, argv)
+    suites = dict(load_suite(spec, args.skip) for spec in args.suites.split(","))
 
     target_path = args.target or default_target_path()
     target = AutoModelForCausalLM.from_pretrained(target_path).eval()
@@ -78,50 +98,69 @@ def main(argv: list[str] | None = None) -> dict:
     if args.schedule is not None:
         drafter.generation_config.num_assistant_tokens_schedule = args.schedule
     drafter.attach(target, **options)
+    tuning = drafter.tuning.summary() if drafter.tuning else "untuned"
+    print(f"target {target_path}, drafter {args.drafter}, {args.max_new_tokens} new tokens max\n{tuning}")
 
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    records = []
-    prompts = load_prompts(args)
+    runners = {
+        "plain": lambda inputs: target.generate(**inputs, **settings),
+        "assisted": lambda inputs: target.generate(**inputs, assistant_model=drafter, **settings),
+        "batched": lambda inputs: speculative_generate(target, inputs["input_ids"], drafter=drafter,
+                                                       attention_mask=inputs["attention_mask"], **settings).sequences,
+    }
+    report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(), "tuning": tuning,
+              "methods": methods, "suites": {}}
     with torch.no_grad():
-        for index, prompt in enumerate(["Say hi.", *prompts]):  # the first one only warms both paths up
-            inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                   return_tensors="pt", return_dict=True)
-            runs = {}
-            for method in (("plain", "drafter") if index % 2 else ("drafter", "plain")):
-                extra = {"assistant_model": drafter} if method == "drafter" else {}
-                runs[method] = timed_generate(target, inputs, **settings, **extra)
-                if method == "drafter":
-                    stats = drafter.generation_stats(runs[method][0])
-            if index == 0:
-                continue
-            (plain, plain_s), (fast, fast_s) = runs["plain"], runs["drafter"]
-            new = plain.shape[1] - inputs["input_ids"].shape[1]
-            fast_new = fast.shape[1] - inputs["input_ids"].shape[1]
-            records.append({
-                "prompt": prompt, "plain_tokens": new, "plain_seconds": plain_s, "drafter_tokens": fast_new,
-                "drafter_seconds": fast_s, "target_forwards": stats.target_forwards,
-                "corrector_seconds": stats.corrector_seconds, "identical": torch.equal(plain, fast),
-                "proposal_lengths": stats.proposal_lengths, "drafted_blocks": stats.drafted_blocks,
-                "seconds_saved": stats.seconds_saved,
-            })
-            print(f"[{index}/{len(prompts)}] tau {fast_new / stats.target_forwards:.2f}, plain {plain_s:.2f} s, "
-                  f"drafter {fast_s:.2f} s, identical {records[-1]['identical']}", file=sys.stderr, flush=True)
-
-    totals = summarise(records)
-    print(f"{len(records)} prompts, {args.max_new_tokens} new tokens max, target {target_path}, drafter "
-          f"{args.drafter}\n{drafter.tuning.summary() if drafter.tuning else 'untuned'}")
-    print(f"tau {totals['tau']:.2f} | speedup {totals['speedup']:.2f}x (tokens/s, same run) | plain "
-          f"{totals['plain_tokens_per_s']:.1f} tok/s, drafter {totals['drafter_tokens_per_s']:.1f} tok/s | "
-          f"corrector share {100 * totals['corrector_share']:.1f}% | identical {totals['identical']}/{len(records)}")
-    print(f"cycles per proposal length (0 = plain step): {totals['proposal_lengths']}")
-    print(f"drafts per drafted block size: {totals['drafted_blocks']}")
+        warm = chat_inputs(tokenizer, "Say hi.")
+        for method in methods:  # untimed: one-off allocation, kernel selection, and each batch size's costs
+            runners[method](warm)
+        for name, prompts in suites.items():
+            records = []
+            for index, prompt in enumerate(prompts):
+                inputs = chat_inputs(tokenizer, prompt)
+                order = methods[index % len(methods):] + methods[: index % len(methods)]
+                runs, stats = {}, {}
+                for method in order:
+                    runs[method] = timed(lambda: runners[method](inputs))
+                    if method != "plain":
+                        stats[method] = drafter.generation_stats(runs[method][0])
+                records.append(record(prompt, inputs, runs, stats))
+                print(f"[{name} {index + 1}/{len(prompts)}] " + ", ".join(
+                    f"{m} {r['seconds']:.2f} s" + (f" tau {r['tau']:.2f}" if "tau" in r else "")
+                    for m, r in records[-1]["methods"].items()), file=sys.stderr, flush=True)
+            totals = summarise(records, methods)
+            report["suites"][name] = {"prompts": len(prompts), "totals": totals, "records": records}
+            for method in methods[1:]:
+                t = totals[method]
+                print(f"{name}: {method} tau {t['tau']:.2f} | speedup {t['speedup']:.2f}x (tokens/s, same run) | "
+                      f"corrector share {100 * t['corrector_share']:.1f}% | identical {t['identical']}/{len(prompts)} "
+                      f"| cycles per proposal length (0 = plain step) {t['proposal_lengths']}, "
+                      f"trees {t['tree_cycles']}")
     if args.json:
-        report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(),
-                  "tuning": drafter.tuning.summary() if drafter.tuning else None, "totals": totals,
-                  "records": records}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n", encoding="utf-8")
-    return totals
+    return report
+
+
+def chat_inputs(tokenizer, prompt: str) -> dict:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+
+
+def record(prompt: str, inputs: dict, runs: dict, stats: dict) -> dict:
+    """One prompt's figures per method."""
+    prompt_length = inputs["input_ids"].shape[1]
+    plain = runs["plain"][0]
+    methods = {}
+    for method, (out, seconds) in runs.items():
+        entry = {"tokens": out.shape[1] - prompt_length, "seconds": seconds}
+        if method in stats:  # the batched loop's statistics: one per row
+            total = sum(stats[method], DCOCOStats()) if isinstance(stats[method], list) else stats[method]
+            entry.update(tau=total.tau, target_forwards=total.target_forwards,
+                         corrector_seconds=total.corrector_seconds, identical=torch.equal(out, plain),
+                         proposal_lengths=total.proposal_lengths, tree_cycles=total.tree_cycles)
+        methods[method] = entry
+    return {"prompt": prompt, "methods": methods}
 
 
 def machine() -> str:
@@ -130,7 +169,7 @@ def machine() -> str:
 
 def repeat_in_processes(args: argparse.Namespace, argv: list[str]) -> dict:
     """Run this script's measurement in `args.processes` fresh processes one after another, each with its own empty
-    tuning cache, and report every process's totals and the spread of their speedups."""
+    tuning cache, and report every process's report and the spread of each suite's and method's speedups."""
     child_argv = _without_option(_without_option(argv, "--processes"), "--json")
     runs = []
     with tempfile.TemporaryDirectory(prefix="dcoco-hf-api-bench-") as scratch:
@@ -139,18 +178,19 @@ def repeat_in_processes(args: argparse.Namespace, argv: list[str]) -> dict:
             env = {**os.environ, "DCOCO_HF_TUNING_DIR": str(Path(scratch) / f"tuning-{index}")}
             subprocess.run([sys.executable, __file__, *child_argv, "--json", str(out)], env=env, check=True)
             runs.append(json.loads(out.read_text()))
-    speedups = [run["totals"]["speedup"] for run in runs]
-    middle = runs[sorted(range(len(runs)), key=speedups.__getitem__)[len(runs) // 2]]  # the median run
-    spread = {"speedups": speedups, "min": min(speedups), "max": max(speedups),
-              "max_over_min": max(speedups) / min(speedups), "median": statistics.median(speedups)}
-    print(f"{len(runs)} fresh processes: speedups {', '.join(f'{x:.2f}x' for x in speedups)} "
-          f"(max/min {spread['max_over_min']:.3f})")
+    spread = {}
+    for suite in runs[0]["suites"]:
+        for method in runs[0]["methods"][1:]:
+            speedups = [run["suites"][suite]["totals"][method]["speedup"] for run in runs]
+            spread[f"{suite}/{method}"] = {"speedups": speedups, "min": min(speedups), "max": max(speedups),
+                                           "median": statistics.median(speedups)}
+            print(f"{suite} {method}: {len(runs)} fresh processes, speedups {', '.join(f'{x:.2f}x' for x in speedups)}")
+    report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(), "spread": spread,
+              "runs": runs}
     if args.json:
-        report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(),
-                  "totals": middle["totals"], "records": middle["records"], "spread": spread, "runs": runs}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n", encoding="utf-8")
-    return middle["totals"]
+    return report
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:
@@ -166,20 +206,25 @@ def _without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def summarise(records: list[dict]) -> dict:
-    plain_rate = sum(r["plain_tokens"] for r in records) / sum(r["plain_seconds"] for r in records)
-    drafter_tokens = sum(r["drafter_tokens"] for r in records)
-    drafter_seconds = sum(r["drafter_seconds"] for r in records)
-    return {
-        "tau": drafter_tokens / sum(r["target_forwards"] for r in records),
-        "speedup": drafter_tokens / drafter_seconds / plain_rate,
-        "plain_tokens_per_s": plain_rate,
-        "drafter_tokens_per_s": drafter_tokens / drafter_seconds,
-        "corrector_share": sum(r["corrector_seconds"] for r in records) / drafter_seconds,
-        "identical": sum(r["identical"] for r in records),
-        "proposal_lengths": _summed([r.get("proposal_lengths", []) for r in records]),
-        "drafted_blocks": _summed([r.get("drafted_blocks", []) for r in records]),
-    }
+def summarise(records: list[dict], methods: list[str]) -> dict:
+    """Per method: tau, speedup over plain (tokens per second, summed over the prompts), corrector share, identical
+    outputs, cycles per proposal length and tree cycles."""
+    plain_rate = sum(r["methods"]["plain"]["tokens"] for r in records) / sum(
+        r["methods"]["plain"]["seconds"] for r in records)
+    totals = {"plain": {"tokens_per_s": plain_rate}}
+    for method in methods[1:]:
+        runs = [r["methods"][method] for r in records]
+        tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+        totals[method] = {
+            "tau": tokens / sum(r["target_forwards"] for r in runs),
+            "speedup": tokens / seconds / plain_rate,
+            "tokens_per_s": tokens / seconds,
+            "corrector_share": sum(r["corrector_seconds"] for r in runs) / seconds,
+            "identical": sum(r["identical"] for r in runs),
+            "proposal_lengths": _summed([r["proposal_lengths"] for r in runs]),
+            "tree_cycles": sum(r["tree_cycles"] for r in runs),
+        }
+    return totals
 
 
 def _summed(counts: list[list[int]]) -> dict[str, int]:

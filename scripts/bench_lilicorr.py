@@ -50,7 +50,7 @@ from dcoco_hf.cli.bench import (
     rotated,
     summarise,
 )
-from dcoco_hf.runtime.block_choice import set_block_size
+from dcoco_hf.runtime.block_choice import measure_cycle_costs, set_block_size
 from dcoco_hf.cli.common import (
     add_prompt_arguments,
     collect_prompts,
@@ -58,6 +58,7 @@ from dcoco_hf.cli.common import (
     load_target,
 )
 from dcoco_hf.runtime.cpu_linear import use_few_rows_linear
+from dcoco_hf.runtime.tuning import tuning_line
 from dcoco_hf.network.lilicorr import LiLiCorrCorrector
 from dcoco_hf.network.selector import SelectorCorrector
 
@@ -140,6 +141,9 @@ def main() -> None:
             use_few_rows_linear(target, max_rows=6, layout=TARGET_LAYOUT)
             for drafter in (dcoco, lilicorr, *extra.values()):
                 use_few_rows_linear(drafter, max_rows=6, layout="transposed")
+    # What every speedup below depends on, timed on the target and drafter as they run here.
+    tuning = tuning_line(measure_cycle_costs(target, dcoco, [args.block_size], max_rows=8, repeats=5))
+    print(tuning)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, warmup=args.warmup)
     b = args.block_size
     # (label, runner, the runner's method) per method; labels are what the report calls them.
@@ -174,11 +178,11 @@ def main() -> None:
             timings = ", ".join(f"{r.method} {r.seconds:.1f}s" for r in records[-len(plan):])
             print(f"[{time.strftime('%H:%M:%S')}] prompt {position + 1}/{len(prompts)} ({item.suite} #{item.index}): "
                   f"{timings}", file=sys.stderr, flush=True)
-            write_report(args, records, labels, len(prompts), target_name)  # after every prompt: a partial run counts
+            write_report(args, records, labels, len(prompts), target_name, tuning)  # a partial run counts
     finally:
         for runner in runners.values():
             runner.close()
-    report = write_report(args, records, labels, len(prompts), target_name)
+    report = write_report(args, records, labels, len(prompts), target_name, tuning)
     for suite, summaries in report["suites"].items():
         print(format_table(summaries, f"{suite} ({summaries['vanilla']['prompts']} prompts)"))
 
@@ -192,10 +196,13 @@ def round_robin(prompts: list) -> list:
     return [column[i] for i in range(max(map(len, columns))) for column in columns if i < len(column)]
 
 
-def write_report(args: argparse.Namespace, records: list, labels: list[str], planned: int, target_name: str) -> dict:
+def write_report(
+    args: argparse.Namespace, records: list, labels: list[str], planned: int, target_name: str, tuning: str
+) -> dict:
     """The bench report of the records so far (written to --json when given)."""
     b = args.block_size
     config = {"command": " ".join(sys.argv), "few_rows_linear": not args.plain_linear, "target": target_name,
+              "tuning": tuning,
               "dcoco_drafter": args.dcoco_drafter,
               "lilicorr_drafter": args.lilicorr_drafter, "selector_drafter": args.selector_drafter, "block_size": b,
               "max_new_tokens": args.max_new_tokens,
@@ -210,20 +217,26 @@ def write_report(args: argparse.Namespace, records: list, labels: list[str], pla
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n")
     return report
 
 
 def markdown_table(report: dict, source: str) -> str:
-    """One table of the report: per suite and segment, each method's tau, ratio to DFlash, speed, head share."""
+    """One table of the report: per suite and segment, each method's tau, ratio to DFlash, chain acceptance, and,
+    for a run that recorded its tuning line (the plain step and a verify of 8 rows, timed where it ran), its speed and
+    the head's share of the time: tokens per second mean something only beside that line."""
     labels = list(report["methods"])
     dflash = next(label for label in labels if label.startswith("dflash"))
+    tuning = report["config"].get("tuning")
+    timing = ["speedup over greedy", "head share (cycles / all)"] if tuning else []
+    run = f"the run `python {report['config']['command']}`"
+    columns = ["prompts", "method", "tau", "tau / DFlash", *timing, "chain accept (slots 1-3)", "output == greedy"]
     lines = [
-        f"`python scripts/bench_lilicorr.py --render {source}`, of the run `python {report['config']['command']}`:",
+        f"`python scripts/bench_lilicorr.py --render {source}`, of {run}"
+        + (f" (tuning line: {tuning}):" if tuning else " (tau and acceptance; its times are not compared):"),
         "",
-        "| prompts | method | tau | tau / DFlash | speedup over greedy | head share (cycles / all) | chain accept "
-        "(slots 1-3) | output == greedy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join("---" for _ in columns) + " |",
     ]
     for suite, segments in report["segments"].items():
         for segment, methods in segments.items():
@@ -235,10 +248,10 @@ def markdown_table(report: dict, source: str) -> str:
                 share = " / ".join(percent(m.get(key)) for key in ("cycle_share", "corrector_share"))
                 ratio = "-" if label == "vanilla" else f"{m['tau'] / methods[dflash]['tau']:.3f}"
                 equal = round(m["equal_to_vanilla"] * m["prompts"])
-                lines.append(
-                    f"| {SUITE_NAMES.get(suite, suite)} {segment} | {label} | {m['tau']:.2f} | {ratio} | "
-                    f"{m['speedup']:.2f}x | {share} | {chain} | {equal}/{m['prompts']} |"
-                )
+                timed = [f"{m['speedup']:.2f}x", share] if tuning else []
+                cells = [f"{SUITE_NAMES.get(suite, suite)} {segment}", label, f"{m['tau']:.2f}", ratio, *timed, chain,
+                         f"{equal}/{m['prompts']}"]
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -18,6 +18,9 @@ records why, and the others still run):
               of 2..16 rows, the draft and each corrector at batch 1..32, eager and with each draft captured
               (`compile_drafting`: backbone and corrector in one CUDA graph per block shape).
   projection  those costs with the papers' published tau for Qwen3-8B: PROJECTED speedups, not measurements.
+  trees       the verify cost of a draft tree's N + 1 rows at those shapes against a chain's, combined with the tau
+              docs/results/trees.json measured on CPU (trees and the same drafter's chain, same run) into a
+              PROJECTED tree-over-chain speedup per budget; the exactness section checks trees and chains.
 
 Random weights accept almost nothing, so no speedup here is measured end to end: costs are, speedups are projected.
 """
@@ -102,13 +105,13 @@ class Sizes:
 
 FULL = Sizes(budgets={"exactness": 120.0, "shipped": 60.0, "costs": 180.0}, archs=("llama", "qwen3"), fit={},
              prompts=6, new_tokens=32, samples=20000, batch_rows=16, shipped_context=512, shipped_blocks=7,
-             target_shape=QWEN3_8B, drafter_layers=5, batches=(1, 4, 16, 32), verify_rows=(2, 4, 8, 12, 16),
-             context=512, reps=10)
+             target_shape=QWEN3_8B, drafter_layers=5, batches=(1, 4, 16, 32),
+             verify_rows=(2, 4, 5, 8, 9, 12, 16, 17, 33), context=512, reps=10)
 # Every code path of FULL on tiny models, in under 2 minutes on a 2-core CPU.
 SMOKE = Sizes(budgets={"exactness": 60.0, "shipped": 30.0, "costs": 30.0}, archs=("llama",),
               fit=dict(steps=60, prompts=16, new_tokens=24), prompts=2, new_tokens=16, samples=1500, batch_rows=3,
               shipped_context=16, shipped_blocks=1, target_shape=TINY, drafter_layers=1, batches=(1, 2),
-              verify_rows=(2, 16), context=32, reps=1)
+              verify_rows=(2, 8, 9, 16, 17), context=32, reps=1)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -384,14 +387,18 @@ def rows_alone(target, out, prompts: list[torch.LongTensor], width: int, device:
     return same
 
 
-def batched_check(device: torch.device, sizes: Sizes, cache: str) -> dict:
+def batched_check(device: torch.device, sizes: Sizes, cache: str, tree_budget: int = 16) -> dict:
     """Ragged rows, left-padded: the batched loop's greedy output of each row, on a `cache` ("dynamic" or "static")
-    target cache, against plain generate() of that row alone."""
+    target cache, verifying draft trees of `tree_budget` nodes every cycle (0: chains), against plain generate() of
+    that row alone."""
     target, drafter = tiny_pair(sizes.archs[0], device, torch.float32, "sdpa", sizes)
-    out, prompts, width = ragged_batch(target, drafter, device, sizes, cache_implementation=cache)
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"  # the budget's tree (or chain) every cycle
+    out, prompts, width = ragged_batch(target, drafter, device, sizes, cache_implementation=cache,
+                                       tree_budget=tree_budget)
     same = rows_alone(target, out, prompts, width, device)
-    return {"cache": cache, "rows": len(prompts), "prompt_lengths": [len(p) for p in prompts], "identical": same,
-            "ok": same == len(prompts), "tau": [round(s.tau, 3) for s in out.stats]}
+    return {"cache": cache, "tree_budget": tree_budget, "rows": len(prompts), "identical": same,
+            "prompt_lengths": [len(p) for p in prompts], "ok": same == len(prompts),
+            "tau": [round(s.tau, 3) for s in out.stats], "tree_cycles": sum(s.tree_cycles for s in out.stats)}
 
 
 def compiled_drafting_check(device: torch.device, sizes: Sizes) -> dict:
@@ -445,6 +452,7 @@ def exactness(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
         "stopping": lambda: stopping_check(device, sizes),
         "batched": lambda: batched_check(device, sizes, "dynamic"),
         "static_batched": lambda: batched_check(device, sizes, "static"),
+        "batched_chains": lambda: batched_check(device, sizes, "dynamic", tree_budget=0),
         "compiled_drafting": lambda: compiled_drafting_check(device, sizes),
         "static_cache": lambda: static_cache_check(device, sizes),
     }
@@ -629,6 +637,38 @@ def projection(costs_result: dict) -> dict:
                     "transformers eager forwards); not a measured speedup"}
 
 
+def trees(costs_result: dict) -> dict:
+    """Draft trees against the same drafter's chain: tau measured on CPU (docs/results/trees.json: each fixed tree
+    budget and the whole-block chain, same run) with the verify costs timed here (eager, batch 1) into a PROJECTED
+    tree-over-chain speedup: (tau_tree / tau_chain) x (draft + verify of the block) / (draft + verify of N + 1)."""
+    measured = ROOT / "docs" / "results" / "trees.json"
+    if not measured.is_file():
+        return {"status": "skipped", "reason": f"no {measured.relative_to(ROOT)}: run the trees bench first"}
+    bench = json.loads(measured.read_text())
+    base = next((r for r in costs_result.get("rows", []) if r.get("mode") == "eager" and r.get("batch") == 1), None)
+    if base is None or "dcoco" not in base:
+        return {"status": "skipped", "reason": "no eager batch-1 costs were timed"}
+    verify, draft = base["verify_s"], base["dcoco"]["draft_s"] + base["dcoco"]["corrector_s"]
+    rows = []
+    for suite, methods in bench["suites"].items():
+        chain = methods.get("chain-constant")  # the whole block every cycle: a verify of the anchor and its slots
+        if chain is None:
+            continue
+        chain_rows = bench["config"]["block_size"]
+        for name, result in methods.items():
+            nodes = result.get("tree_budget")
+            fixed = result.get("schedule") == "constant" and result.get("corrector")  # the budget's tree, every cycle
+            if not nodes or not fixed or nodes + 1 not in verify or chain_rows not in verify:
+                continue
+            ratio = (result["tau"] / chain["tau"]) * (draft + verify[chain_rows]) / (draft + verify[nodes + 1])
+            rows.append({"suite": suite, "method": name, "nodes": nodes, "tau_tree": result["tau"],
+                         "tau_chain": chain["tau"], "verify_chain_s": verify[chain_rows],
+                         "verify_tree_s": verify[nodes + 1], "projected_tree_over_chain": ratio})
+    return {"status": "ok", "source": f"{measured.relative_to(ROOT)}: `{' '.join(bench['config']['command_line'])}`",
+            "rows": rows, "note": "PROJECTION: tau measured on CPU with SmolLM2-135M and its drafter; costs timed here "
+                                  "at the costs section's shapes with random weights; not a measured speedup"}
+
+
 # ---------------------------------------------------------------------------------------------------- report
 
 
@@ -672,7 +712,8 @@ def markdown(report: dict) -> str:
         parts = ", ".join(f"{p['at']} ({'yes' if p['near_tie'] else 'NO'})" for p in case["partings"]) or "-"
         lines.append(f"| {name} | {case['identical']}/{case['outputs']} | {parts} | {case['tau']:.2f} | "
                      f"{'yes' if case['ok'] else 'NO'} |")
-    for name in ("sampling", "stopping", "batched", "static_batched", "compiled_drafting", "static_cache"):
+    for name in ("sampling", "stopping", "batched", "static_batched", "batched_chains", "compiled_drafting",
+                 "static_cache"):
         if name in ex:
             check = ex[name]
             detail = check.get("reason") or ", ".join(f"{k}={v}" for k, v in check.items()
@@ -716,6 +757,16 @@ def markdown(report: dict) -> str:
               "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['mode']} | {r['batch']} | {r['method']} | {r['tau_published']:.3f} | {ms(r['cycle_s'])} | "
               f"{r['corrector_share']:.1%} | {r['projected_speedup']:.2f}x |" for r in pr["rows"]]
+    tr = report.get("trees", {})
+    lines += ["", "## Draft trees over the chain (PROJECTION, not measured)", ""]
+    if tr.get("status") == "ok":
+        lines += [tr["source"] + ".", "", "| suite | method | nodes | tau tree / chain | verify tree / chain ms | "
+                  "projected tree over chain |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['suite']} | {r['method']} | {r['nodes']} | {r['tau_tree']:.2f} / {r['tau_chain']:.2f} | "
+                  f"{ms(r['verify_tree_s'])} / {ms(r['verify_chain_s'])} | {r['projected_tree_over_chain']:.2f}x |"
+                  for r in tr["rows"]]
+    else:
+        lines.append(f"{tr.get('status')}: {tr.get('reason')}")
     return "\n".join(lines) + "\n"
 
 
@@ -739,6 +790,7 @@ def main() -> None:
     report["shipped"] = section("shipped", lambda: shipped(device, sizes, Deadline(budgets["shipped"])))
     report["costs"] = section("costs", lambda: costs(device, dtype, sizes, Deadline(budgets["costs"])))
     report["projection"] = section("projection", lambda: projection(report["costs"]))
+    report["trees"] = section("trees", lambda: trees(report["costs"]))
     for path, text in ((json_path, json.dumps(report, indent=1, default=str)), (table_path, markdown(report))):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -1,31 +1,36 @@
-"""Print the headline results table (README and model card) from the benchmark JSON files it names.
+"""Print the headline results tables (README and model card) from the benchmark JSON files they name.
 
-    python scripts/results_table.py            # print it
-    python scripts/results_table.py --write    # and replace it in README.md and the model card
+    python scripts/results_table.py            # print them
+    python scripts/results_table.py --write    # and replace them in README.md, the model card and docs/results.md
 
-Rows: the public-API runs (`scripts/api_bench.py`: from_pretrained, attach, generate) and the side-by-side bench of
-the same engine with the corrector on and off (`dcoco-hf bench --methods vanilla,dflash,dcoco`). A figure in the
-README or the card that is not in these files is a defect; `tests/test_model_card.py` checks the tables against them.
-The README links each row's file; the card, a Hub page where a relative link to the repository resolves nowhere,
-names it as text.
+Rows: the public-API run (`scripts/api_bench.py`: from_pretrained, attach, generate; every suite in one process)
+and the side-by-side bench of the same engine with the corrector on and off (`dcoco-hf bench --methods
+vanilla,dflash,dcoco`). Each table names its command, its machine and its run's tuning line (the plain step and a
+verify of 8 rows as a multiple of it: what a speedup depends on, so a reader can compare their machine's). A figure
+in the README or the card that is not in these files is a defect; `tests/test_model_card.py` checks the tables
+against them. The README links each file; the card, a Hub page where a relative link to the repository resolves
+nowhere, names it as text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "docs/results"
-API_RUNS = (
-    ("16 held-out chat + code prompts", "api_mixed_heldout.json"),
-    ("HumanEval, prompts 1-20", "api_humaneval.json"),
-    ("MT-Bench, questions 1-20", "api_mtbench.json"),
-    ("8 prompts answered in emoji, Russian, Greek, Hindi", "api_hard_to_draft.json"),
-)
+API_RUN = "api_bench.json"
+SUITE_NAMES = {
+    "mixed-heldout": "16 held-out chat + code prompts",
+    "humaneval": "HumanEval, prompts 1-20",
+    "mtbench": "MT-Bench, questions 1-20",
+    "hard-to-draft": "8 prompts answered in emoji, Russian, Greek, Hindi",
+}
 BENCHES = (("", "bench_dflash_vs_dcoco.json"), ("@4", "bench_dflash_vs_dcoco_block4.json"))
-SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
+BENCH_SUITES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
+_TUNING_LINE = re.compile(r"plain step [0-9.]+ ms, verify of \d+ rows [0-9.]+x it")
 
 
 def source(file: str, link: bool) -> str:
@@ -33,52 +38,65 @@ def source(file: str, link: bool) -> str:
     return f"[json]({RESULTS}/{file})" if link else f"`{RESULTS}/{file}`"
 
 
+def tuning_line(summary: str | None) -> str:
+    """"plain step 48.9 ms, verify of 8 rows 1.46x it" out of a tuning summary (`Tuning.summary`)."""
+    found = _TUNING_LINE.search(summary or "")
+    return found.group(0) if found else "untuned"
+
+
+def _load(file: str) -> dict | None:
+    path = ROOT / RESULTS / file
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def api_rows(link: bool = True) -> list[str]:
+    """One row per suite: transformers' assisted generate() and, where measured, speculative_generate at batch 1."""
+    report = _load(API_RUN)
+    if report is None:
+        return []
     rows = []
-    for name, file in API_RUNS:
-        path = ROOT / RESULTS / file
-        if not path.is_file():
-            continue
-        report = json.loads(path.read_text())
-        totals, prompts = report["totals"], len(report["records"])
-        rows.append(
-            f"| {name} ({source(file, link)}) | {totals['tau']:.2f} | {speedup(report)} | "
-            f"{100 * totals['corrector_share']:.1f}% | {totals['identical']}/{prompts} |"
-        )
+    for suite, result in report["suites"].items():
+        totals, prompts = result["totals"], result["prompts"]
+        assisted, batched = totals["assisted"], totals.get("batched")
+        cells = [f"{SUITE_NAMES.get(suite, suite)} ({source(API_RUN, link)})", f"{assisted['tau']:.2f}",
+                 f"{assisted['speedup']:.2f}x", f"{100 * assisted['corrector_share']:.1f}%"]
+        if batched is not None:
+            cells += [f"{batched['tau']:.2f}", f"{batched['speedup']:.2f}x"]
+        identical = [totals[m]["identical"] for m in ("assisted", "batched") if m in totals]
+        cells.append(" / ".join(f"{n}/{prompts}" for n in identical))
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
-def speedup(report: dict) -> str:
-    """The run's speedup; for a run repeated in fresh processes, the median one and the range of all."""
-    spread = report.get("spread")
-    if spread is None:
-        return f"{report['totals']['speedup']:.2f}x"
-    runs = len(spread["speedups"])
-    return f"{spread['median']:.2f}x ({spread['min']:.2f}-{spread['max']:.2f}x over {runs} fresh processes)"
+def api_header() -> list[str]:
+    report = _load(API_RUN) or {"methods": []}
+    if "batched" in report["methods"]:
+        return ["| prompts | tau (`generate`) | speedup (`generate`) | corrector share | tau (`speculative_generate`) "
+                "| speedup (`speculative_generate`) | identical outputs |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+    return ["| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical "
+            "outputs |", "| --- | --- | --- | --- | --- |"]
 
 
-def machines() -> str:
-    """The machines the public-API runs name (their JSON's `machine`)."""
-    names = []
-    for _, file in API_RUNS:
-        path = ROOT / RESULTS / file
-        if path.is_file():
-            names.append(json.loads(path.read_text()).get("machine", "?"))
-    return "; ".join(dict.fromkeys(names))
+def api_caption() -> list[str]:
+    report = _load(API_RUN)
+    if report is None:
+        return []
+    command = " ".join(report["command_line"])
+    return [f"`{command}` on {report['machine']}; tuning line of the run: {tuning_line(report['tuning'])}."]
 
 
 def bench_rows(link: bool = True) -> list[str]:
     rows = []
     for suffix, file in BENCHES:
-        path = ROOT / RESULTS / file
-        if not path.is_file():
+        report = _load(file)
+        if report is None:
             continue
-        report = json.loads(path.read_text())
         block = report["config"]["block_size"] if not suffix else int(suffix[1:])
         for suite, methods in report["suites"].items():
             dflash, dcoco = methods[f"dflash{suffix}"], methods[f"dcoco{suffix}"]
             rows.append(
-                f"| {SUITE_NAMES.get(suite, suite)}, {dcoco['prompts']} prompts, blocks of {block} "
+                f"| {BENCH_SUITES.get(suite, suite)}, {dcoco['prompts']} prompts, blocks of {block} "
                 f"({source(file, link)}) | {dflash['tau']:.2f} / {dcoco['tau']:.2f} | "
                 f"{dcoco['tau'] / dflash['tau']:.3f} | {dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | "
                 f"{100 * dcoco['corrector_share']:.1f}% |"
@@ -86,15 +104,26 @@ def bench_rows(link: bool = True) -> list[str]:
     return rows
 
 
+def bench_caption() -> list[str]:
+    lines = []
+    for _, file in BENCHES:
+        report = _load(file)
+        if report is not None:
+            config = report["config"]
+            lines.append(f"`{' '.join(config['command_line'])}`: tuning line {tuning_line(config.get('tuning'))}.")
+    return lines
+
+
 def table(link: bool = True) -> str:
     lines = [
-        "Through the public API alone (`from_pretrained`, default `attach`, `generate`; greedy, 128 new tokens, plain",
-        "`generate()` and the drafter back to back per prompt, `scripts/api_bench.py`, docs/results.md) on "
-            f"{machines()}:",
+        "Through the public API alone (`from_pretrained`, default `attach`, then `target.generate(...,",
+        "assistant_model=drafter)` or `speculative_generate` one prompt at a time; greedy, 128 new tokens, plain",
+        "`generate()` and the drafter back to back per prompt; docs/results.md):",
         "",
-        "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
-        "| --- | --- | --- | --- | --- |",
+        *api_header(),
         *api_rows(link),
+        "",
+        *api_caption(),
         "",
         "The corrector alone: the same engine, weights, draft vocabulary, layouts and block, with the corrector off",
         "(`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench --methods vanilla,dflash,dcoco`, and",
@@ -103,6 +132,8 @@ def table(link: bool = True) -> str:
         "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
         "| --- | --- | --- | --- | --- |",
         *bench_rows(link),
+        "",
+        *bench_caption(),
     ]
     return "\n".join(lines)
 
@@ -115,15 +146,12 @@ RESULTS_DOC = ROOT / "docs" / "results.md"  # the public-API table alone, linked
 
 
 def api_table() -> str:
-    header = [
-        "| prompts | tau | speedup over plain `generate()` (tokens/s) | corrector share of time | identical outputs |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    return "\n".join(header + [row.replace(f"]({RESULTS}/", "](results/") for row in api_rows(True)])
+    rows = [row.replace(f"]({RESULTS}/", "](results/") for row in api_rows(True)]
+    return "\n".join([*api_header(), *rows, "", *api_caption()])
 
 
 def write() -> None:
-    """Replace the table between START and END in each doc: with links in the README, file paths in the card; and
+    """Replace the tables between START and END in each doc: with links in the README, file paths in the card; and
     the public-API table in docs/results.md."""
     for doc, link in DOCS.items():
         _replace(doc, table(link))

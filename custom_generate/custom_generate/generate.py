@@ -18,14 +18,18 @@ from typing import Any
 from dcoco_hf import speculative_generate
 
 
-def generate(model: Any, drafter: Any = None, correct: bool = True, selection: str | None = None, **kwargs: Any):
+def generate(
+    model: Any, drafter: Any = None, correct: bool = True, selection: str | None = None,
+    tree_budget: int | None = None, **kwargs: Any,
+):
     """`model`: the target (a causal LM); `drafter`: a `DCOCODrafter` attached to it; `correct=False` drafts plain
     DFlash blocks with the same weights; `selection`: the corrector's walk for this call (default the drafter's
-    `generation_config.selection`). Returns what `generate()` returns."""
+    `generation_config.selection`); `tree_budget`: the most nodes a cycle's draft tree may have (0: chains only;
+    default the drafter's `generation_config.tree_budget`). Returns what `generate()` returns."""
     if drafter is None:
         raise TypeError(
             "this custom_generate needs a drafter: target.generate(..., custom_generate=REPO, trust_remote_code=True, "
             "drafter=DCOCODrafter.from_pretrained(DRAFTER).attach(target))"
         )
     return model.generate(custom_generate=speculative_generate, drafter=drafter, correct=correct, selection=selection,
-                          **kwargs)
+                          tree_budget=tree_budget, **kwargs)

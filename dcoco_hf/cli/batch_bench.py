@@ -1,8 +1,14 @@
 """Batch-size benchmark: aggregate output tokens/s of plain batched `generate()` vs batched DFlash vs batched DCOCO.
 
 * ``vanilla``: `target.generate(batch, attention_mask=...)` (left-padded).
-* ``dflash``: `speculative_generate(..., correct=False)`: the drafter's backbone, argmax blocks, same weights.
-* ``dcoco``: `speculative_generate(...)` with the corrector.
+* ``dflash``: `speculative_generate(..., correct=False)`: the drafter's backbone, same weights, its chain the argmax
+  block and its trees the slots' marginals (DDTree's).
+* ``dcoco``: `speculative_generate(...)` with the corrector: its walk's chain, trees of its transition scores.
+* ``dflash-chain``, ``dcoco-chain``: the same with `tree_budget=0` (chains only).
+
+Before measuring, the cycle's costs are timed at each batch size (`tuning.time_batch`, cached per machine), so
+no timed call pays for it; the report names the tuning line and each batch size's timed costs, and per batch size
+each method's cycles: plain steps, chain proposals per length, tree cycles.
 
 For each batch size, the prompts are cut into batches (the prompt list is cycled to fill the last one) and every
 batch runs every method back to back, in an order rotated per batch, so slow phases of a shared machine hit all
@@ -31,11 +37,15 @@ from .common import (
     write_results,
 )
 from ..runtime.cpu_linear import few_rows_plan
+from ..runtime.drafter import DCOCODrafter
 from ..runtime.generation import speculative_generate
 from ..runtime.logs import log
-from ..runtime.drafter import DCOCODrafter
+from ..runtime.proposal import COST_SCHEDULE
+from ..runtime.stats import DCOCOStats
+from ..runtime.tuning import time_batch
 
-BATCH_METHODS = ("vanilla", "dflash", "dcoco")
+BATCH_METHODS = ("vanilla", "dflash", "dcoco", "dflash-chain", "dcoco-chain")
+DEFAULT_METHODS = ("vanilla", "dflash", "dcoco")
 
 
 def new_token_counts(sequences: torch.LongTensor, prompt_len: int, eos: set[int]) -> list[int]:
@@ -47,22 +57,21 @@ def new_token_counts(sequences: torch.LongTensor, prompt_len: int, eos: set[int]
     return counts
 
 
-def _run_method(target, drafter, method, ids, mask, kwargs) -> tuple[torch.LongTensor, float, int, int]:
-    """(sequences, seconds, committed tokens, row-forwards) of one batched call."""
+def _run_method(target, drafter, method, ids, mask, kwargs) -> tuple[torch.LongTensor, float, DCOCOStats | None]:
+    """(sequences, seconds, the rows' statistics summed; None for vanilla) of one batched call."""
     sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     if method == "vanilla":
-        sequences = target.generate(ids, attention_mask=mask, **kwargs)
-        committed = forwards = None
+        sequences, stats = target.generate(ids, attention_mask=mask, **kwargs), None
     else:
-        out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, correct=method == "dcoco",
-                                   **kwargs)
-        sequences = out.sequences
-        committed = sum(s.committed_tokens for s in out.stats)
-        forwards = sum(s.target_forwards for s in out.stats)
+        options = {"correct": method.startswith("dcoco")}
+        if method.endswith("-chain"):
+            options["tree_budget"] = 0
+        out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, **options, **kwargs)
+        sequences, stats = out.sequences, sum(out.stats, DCOCOStats())
     sync()
-    return sequences, time.perf_counter() - start, committed, forwards
+    return sequences, time.perf_counter() - start, stats
 
 
 def run_batch_bench(
@@ -71,7 +80,7 @@ def run_batch_bench(
     prompts: Sequence[torch.LongTensor],
     batch_sizes: Sequence[int],
     max_new_tokens: int,
-    methods: Sequence[str] = BATCH_METHODS,
+    methods: Sequence[str] = DEFAULT_METHODS,
     temperature: float = 0.0,
     pad_token_id: int = 0,
     eos_token_id: int | list[int] | None = None,
@@ -92,6 +101,12 @@ def run_batch_bench(
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
     eos = set(eos_token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id))
+    timed = {}
+    if drafter.tuning is not None and drafter.proposal_schedule_name == COST_SCHEDULE:
+        for batch_size in batch_sizes:  # timed now, so that no measured call pays for it
+            costs = time_batch(drafter, batch_size) if batch_size > 1 else drafter.cycle_costs
+            timed[str(batch_size)] = {"timed_batch": costs.batch, "plain_ms": 1e3 * costs.plain,
+                                      "verify_8_over_plain": costs.verify_seconds(8) / costs.plain}
     results: dict[str, Any] = {}
     for batch_size in batch_sizes:
         count = max(len(prompts), batch_size)
@@ -101,20 +116,21 @@ def run_batch_bench(
             ids, mask = batches[0]
             for method in methods:
                 _run_method(target, drafter, method, ids.to(device), mask.to(device), {**kwargs, "max_new_tokens": 4})
-        totals = {m: {"seconds": 0.0, "new_tokens": 0, "committed": 0, "forwards": 0, "equal": 0} for m in methods}
+        totals = {m: {"seconds": 0.0, "new_tokens": 0, "stats": DCOCOStats(), "equal": 0} for m in methods}
         for index, (ids, mask) in enumerate(batches):
             ids, mask = ids.to(device), mask.to(device)
             outputs = {}
             for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
                 torch.manual_seed(seed + index)
-                sequences, seconds, committed, forwards = _run_method(target, drafter, method, ids, mask, kwargs)
+                sequences, seconds, stats = _run_method(target, drafter, method, ids, mask, kwargs)
                 outputs[method] = sequences
                 new = new_token_counts(sequences, ids.shape[1], eos)
                 total = totals[method]
                 total["seconds"] += seconds
                 total["new_tokens"] += sum(new)
-                total["committed"] += sum(new) if committed is None else committed
-                total["forwards"] += sum(new) if forwards is None else forwards
+                if stats is None:  # plain decoding: one token per row and forward
+                    stats = DCOCOStats(committed_tokens=sum(new), target_forwards=sum(new))
+                total["stats"] = total["stats"].merge(stats)
             if "vanilla" in outputs:
                 for method, sequences in outputs.items():
                     totals[method]["equal"] += int(torch.equal(sequences.cpu(), outputs["vanilla"].cpu()))
@@ -124,8 +140,9 @@ def run_batch_bench(
         ))
     config = {"batch_sizes": list(batch_sizes), "methods": list(methods), "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": drafter.draft_block_size,
-              "device": str(device), "dtype": str(target.dtype).removeprefix("torch."),
-              "threads": torch.get_num_threads()}
+              "tree_budget": drafter.decoding.tree_budget, "device": str(device),
+              "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+              "tuning": drafter.tuning.summary() if drafter.tuning is not None else None, "batch_costs": timed}
     return {"config": config, "results": results}
 
 
@@ -135,14 +152,19 @@ def _summarise(totals: dict[str, dict[str, Any]], batches: int, greedy: bool) ->
     for method, total in totals.items():
         speed = total["new_tokens"] / total["seconds"] if total["seconds"] else 0.0
         base = vanilla["new_tokens"] / vanilla["seconds"] if vanilla and vanilla["seconds"] else None
+        stats = total["stats"]
         summary[method] = {
             "tokens_per_s": speed,
             "speedup": speed / base if base else None,
-            "tau": total["committed"] / max(total["forwards"], 1),
+            "tau": stats.tau,
             "new_tokens": total["new_tokens"],
             "seconds": total["seconds"],
             "batches": batches,
             "equal_to_vanilla": (total["equal"] == batches) if greedy else None,
+            # row-cycles: plain steps ("0"), chain proposals per length, tree verifications
+            "proposal_lengths": {str(k): n for k, n in enumerate(stats.proposal_lengths) if n},
+            "tree_cycles": stats.tree_cycles,
+            "mean_tree_nodes": stats.tree_nodes / stats.tree_cycles if stats.tree_cycles else None,
         }
     return summary
 
@@ -181,8 +203,9 @@ def add_bench_batch_parser(commands: Any, common: argparse.ArgumentParser) -> No
         "tokens/s, ratios and tau.",
     )
     parser.add_argument("--batch-size", default="1,4,8,16,32", help="comma-separated batch sizes (default 1,4,8,16,32)")
-    parser.add_argument("--methods", default=",".join(BATCH_METHODS),
-                        help=f"comma-separated subset of {','.join(BATCH_METHODS)} (default: all)")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated subset of {','.join(BATCH_METHODS)} (default: "
+                        f"{','.join(DEFAULT_METHODS)})")
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per row (default 64)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed short rounds per batch size (default 1)")
@@ -212,14 +235,15 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     if not methods or set(methods) - set(BATCH_METHODS):
         raise CLIError(f"--methods {args.methods}: choose from {','.join(BATCH_METHODS)}")
     items = collect_prompts(args)
+    # Attached as a user attaches it: under the cost-aware schedule every cycle plans its block, priced at the
+    # batch's own shape (`time_batch`, below).
     if args.random_drafter:
         loaded = load_models(args, need_drafter=False)
         drafter = DCOCODrafter.from_target(loaded.target).eval()
-        attach_drafter(args, loaded.target, drafter, batch=max(batch_sizes), choose_block=False)
+        attach_drafter(args, loaded.target, drafter, batch=max(batch_sizes))
         drafter_name = "random (DCOCODrafter.from_target)"
     else:
-        # bench-batch drafts the configured block: the start-up choice times one-row cycles, not batched ones.
-        loaded = load_models(args, need_drafter=True, batch=max(batch_sizes), choose_block=False)
+        loaded = load_models(args, need_drafter=True, batch=max(batch_sizes))
         drafter, drafter_name = loaded.drafter, loaded.drafter_name
     from .bench import encode_prompt
 
@@ -235,8 +259,13 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         few_rows_linear=few_rows_plan(loaded.target),
     )
     print(format_batch_table(report))
+    if report["config"]["tuning"]:
+        print(report["config"]["tuning"])
+    for size, costs in report["config"]["batch_costs"].items():
+        print(f"batch {size}: costs timed at batch {costs['timed_batch']}, plain step {costs['plain_ms']:.1f} ms, "
+              f"verify of 8 columns {costs['verify_8_over_plain']:.2f}x it")
     write_results(report, args.json)
     return 0
 
 
-__all__ = ["BATCH_METHODS", "format_batch_table", "run_batch_bench"]
+__all__ = ["BATCH_METHODS", "DEFAULT_METHODS", "format_batch_table", "run_batch_bench"]

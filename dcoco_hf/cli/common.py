@@ -286,8 +286,7 @@ def resolve_attn(requested: str | None, device: torch.device, dtype: torch.dtype
 
 
 def load_models(
-    args: argparse.Namespace, need_drafter: bool, batch: int = 1, methods: Sequence[str] = ("dcoco",),
-    choose_block: bool = True,
+    args: argparse.Namespace, need_drafter: bool, batch: int = 1, methods: Sequence[str] = ("dcoco",)
 ) -> Loaded:
     """Target (and drafter, attached and tuned for this device: `attach_drafter`), on the device, in the dtype and
     attention of `args`."""
@@ -304,7 +303,7 @@ def load_models(
     drafter = None
     if need_drafter:
         drafter = load_drafter(drafter_spec, device, dtype, attn)
-        attach_drafter(args, target, drafter, methods, batch, choose_block)
+        attach_drafter(args, target, drafter, methods, batch)
     return Loaded(target, tokenizer, drafter, target_name, drafter_spec, device, dtype, attn)
 
 
@@ -453,12 +452,12 @@ def attach_drafter(
     drafter: DCOCODrafter,
     methods: Sequence[str] = ("dcoco",),
     batch: int = 1,
-    choose_block: bool = True,
 ) -> None:
     """Check --block-size and the block sizes `methods` name ("dcoco@3") against the drafter, then attach it to the
     target, tuned for this device (the same `attach` a Python user calls; see dcoco_hf/runtime/tuning.py) for every
     block the run may draft. Unsuffixed drafter methods draft the --block-size given, or with auto (the default where
-    the drafter records block_tau, when `choose_block`) the one of highest recorded tau per cycle timed here."""
+    the drafter records block_tau) as `attach` does: under the cost-aware schedule each cycle plans its block, under
+    the constant one the block of highest recorded tau per cycle timed here."""
     named = named_block_sizes(methods)
     requested = getattr(args, "block_size", None)
     if named and requested is not None:
@@ -473,7 +472,7 @@ def attach_drafter(
             "or record tau per block size from a bench (scripts/record_block_tau.py)"
         )
     unsuffixed = any(m in DRAFTER_METHODS for m in methods)  # "dcoco" drafts the chosen block, "dcoco@3" its own
-    auto = choose_block and unsuffixed and (requested == "auto" or (requested is None and recorded))
+    auto = unsuffixed and (requested == "auto" or (requested is None and recorded))
     block = "auto" if auto else requested if isinstance(requested, int) else drafter.draft_block_size
     try:
         for size in named:

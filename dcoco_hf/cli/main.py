@@ -300,6 +300,8 @@ def run_config(
         "attn_implementation": attention_implementation(loaded.target),
         "cache": args.cache,
         "few_rows_linear": few_rows_plan(loaded.target),
+        # What every speedup depends on: the plain step and a verify of 8 rows as a multiple of it, timed here.
+        "tuning": drafter.tuning.summary() if drafter is not None and drafter.tuning is not None else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

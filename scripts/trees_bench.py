@@ -1,0 +1,158 @@
+"""Draft trees against the same drafter's chain, in one run: tau, speed and what happens after an accepted sibling.
+
+    python scripts/trees_bench.py --suites humaneval:10,mtbench:10,mixed-heldout:10 --json docs/results/trees.json
+
+Every method is `speculative_generate` on one prompt at a time (the batched loop at batch 1, where trees live) with
+the shipped drafter attached by default `attach`, against plain `generate()`; per prompt the methods run back to
+back in an order rotated per prompt. Methods:
+
+* ``chain``: the cost-aware default with `tree_budget=0` (chains sized per cycle); ``trees``: the cost-aware default
+  (plain step, chain or a tree of up to 16 nodes, whichever is expected fastest);
+* ``chain-constant``: the whole block every cycle; ``tree-N``: the `N`-node tree every cycle (the constant schedule
+  with a budget: the tau comparisons);
+* ``dflash-tree-16``: the same drafter without its corrector, trees of the slots' marginals (DDTree's).
+
+tau is committed tokens per target forward, counted. After each accepted tree node with a next slot drafted, the
+run counts whether the target's next token was the node's best child as the corrector ranks that node's children
+(its transition scores) and as the slot's marginals rank them, separately after an accepted sibling (a node off the
+chain) and on the chain; and the share of cycles that verified a tree. The tuning line of the run is printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from dcoco_hf import DCOCOStats, speculative_generate
+from dcoco_hf.assets import default_target_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_bench import DEFAULT_DRAFTER, chat_inputs, load_suite, machine  # noqa: E402
+
+# name: (schedule, tree budget, corrector on)
+METHODS = {
+    "chain": ("cost", 0, True),
+    "trees": ("cost", 16, True),
+    "chain-constant": ("constant", 0, True),
+    "tree-4": ("constant", 4, True),
+    "tree-8": ("constant", 8, True),
+    "tree-16": ("constant", 16, True),
+    "tree-32": ("constant", 32, True),
+    "dflash-tree-16": ("constant", 16, False),
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    parser.add_argument("--suites", default="humaneval:10,mtbench:10,mixed-heldout:10")
+    parser.add_argument("--skip", type=int, default=0)
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    suites = dict(load_suite(spec, args.skip) for spec in args.suites.split(","))
+
+    target_path = args.target or default_target_path()
+    target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True).attach(target)
+    tuning = drafter.tuning.summary()
+    print(tuning)
+    generation = drafter.generation_config
+    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+
+    def run(method: str, inputs: dict) -> tuple[torch.LongTensor, float, DCOCOStats | None]:
+        start = time.perf_counter()
+        if method == "plain":
+            out = target.generate(**inputs, **settings)
+            return out, time.perf_counter() - start, None
+        schedule, budget, correct = METHODS[method]
+        generation.num_assistant_tokens_schedule = schedule
+        result = speculative_generate(target, inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                      drafter=drafter, correct=correct, tree_budget=budget, **settings)
+        return result.sequences, time.perf_counter() - start, sum(result.stats, DCOCOStats())
+
+    order_all = ["plain", *methods]
+    report = {"command_line": ["python", "scripts/trees_bench.py", *argv], "machine": machine(), "tuning": tuning,
+              "config": {"command_line": ["python", "scripts/trees_bench.py", *argv], "block_size":
+                         drafter.config.block_size, "max_new_tokens": args.max_new_tokens, "methods": methods},
+              "suites": {}}
+    with torch.no_grad():
+        warm = chat_inputs(tokenizer, "Say hi.")
+        for method in order_all:  # untimed
+            run(method, warm)
+        for name, prompts in suites.items():
+            totals = {m: {"seconds": 0.0, "tokens": 0, "identical": 0, "stats": DCOCOStats()} for m in order_all}
+            for index, prompt in enumerate(prompts):
+                inputs = chat_inputs(tokenizer, prompt)
+                outputs = {}
+                for method in order_all[index % len(order_all):] + order_all[: index % len(order_all)]:
+                    out, seconds, stats = run(method, inputs)
+                    outputs[method] = out
+                    total = totals[method]
+                    total["seconds"] += seconds
+                    total["tokens"] += out.shape[1] - inputs["input_ids"].shape[1]
+                    if stats is not None:
+                        total["stats"] = total["stats"].merge(stats)
+                for method, out in outputs.items():
+                    totals[method]["identical"] += int(torch.equal(out, outputs["plain"]))
+                print(f"[{name} {index + 1}/{len(prompts)}]", file=sys.stderr, flush=True)
+            report["suites"][name] = summarise(totals, methods, len(prompts))
+            print_suite(name, report["suites"][name], methods)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n", encoding="utf-8")
+    return report
+
+
+def summarise(totals: dict, methods: list[str], prompts: int) -> dict:
+    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    chain = totals.get("chain")
+    chain_rate = chain["tokens"] / chain["seconds"] if chain else None
+    suite = {}
+    for method in methods:
+        total, stats = totals[method], totals[method]["stats"]
+        rate = total["tokens"] / total["seconds"]
+        suite[method] = {
+            "tree_budget": METHODS[method][1], "schedule": METHODS[method][0], "corrector": METHODS[method][2],
+            "prompts": prompts, "tau": stats.tau, "tokens_per_s": rate, "speedup": rate / plain_rate,
+            "over_chain": rate / chain_rate if chain_rate else None, "identical": total["identical"],
+            "tree_share": stats.tree_cycles / stats.cycles if stats.cycles else 0.0,
+            "plain_steps": stats.proposal_lengths[0] if stats.proposal_lengths else 0,
+            **stats.next_after_accepted(),
+        }
+    return suite
+
+
+def print_suite(name: str, suite: dict, methods: list[str]) -> None:
+    print(f"{name}: method | tau | speedup over plain | over the chain | tree share | after a sibling: walk / "
+          "marginals (nodes) | on the chain: walk / marginals (nodes) | identical")
+    for method in methods:
+        r = suite[method]
+
+        def rate(prefix: str) -> str:
+            walk, marginal = r[f"{prefix}_walk"], r[f"{prefix}_marginal"]
+            if walk is None:
+                return "-"
+            return f"{walk:.2f} / {marginal:.2f} ({r[f'{prefix}_nodes']})"
+
+        over = f"{r['over_chain']:.2f}x" if r["over_chain"] else "-"
+        print(f"  {method} | {r['tau']:.2f} | {r['speedup']:.2f}x | {over} | {r['tree_share']:.0%} | "
+              f"{rate('after_sibling')} | {rate('after_chain')} | {r['identical']}/{r['prompts']}")
+
+
+if __name__ == "__main__":
+    main()
