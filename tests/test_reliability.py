@@ -41,11 +41,14 @@ _SLIDING: dict[tuple[str, int], tuple] = {}
 @pytest.fixture(scope="module", params=[("mistral", 5), ("mistral", 512), ("qwen3", 5)],
                 ids=["mistral-window5", "mistral-window512", "qwen3-mixed-window5"])
 def sliding(request):
-    """(target, fitted drafter): windows far shorter than the generated text, and longer than all of it."""
+    """(target, fitted drafter): windows far shorter than the generated text, and longer than all of it. It drafts
+    every cycle (the constant schedule: its whole block, or in the batched loop its tree), so rejected drafts are
+    rolled back in every call, whatever the costs timed on this machine say."""
     if request.param not in _SLIDING:
         target = _sliding_target(*request.param)
         _SLIDING[request.param] = (target, fit_drafter(target, block_size=4, steps=60))
     target, drafter = _SLIDING[request.param]
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
     return target, drafter.attach(target)
 
 
