@@ -1,6 +1,7 @@
 """Draft trees against the same drafter's chain, in one run: tau, speed and what happens after an accepted sibling.
 
     python scripts/trees_bench.py --suites humaneval:10,mtbench:10,mixed-heldout:10 --json docs/results/trees.json
+    python scripts/trees_bench.py --render docs/results/trees.json --write docs/trees.md   # its table
 
 Every method is `speculative_generate` on one prompt at a time (the batched loop at batch 1, where trees live) with
 the shipped drafter attached by default `attach`, against plain `generate()`; per prompt the methods run back to
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -57,8 +59,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--render", default=None, metavar="REPORT.json", help="print the markdown table of a run")
+    parser.add_argument("--write", default=None, metavar="DOC.md", help="with --render: replace the table in DOC.md")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    if args.render:
+        table = markdown_table(json.loads(Path(args.render).read_text()))
+        print(table)
+        if args.write:
+            write_table(Path(args.write), table)
+        return {}
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -142,16 +152,51 @@ def print_suite(name: str, suite: dict, methods: list[str]) -> None:
           "marginals (nodes) | on the chain: walk / marginals (nodes) | identical")
     for method in methods:
         r = suite[method]
-
-        def rate(prefix: str) -> str:
-            walk, marginal = r[f"{prefix}_walk"], r[f"{prefix}_marginal"]
-            if walk is None:
-                return "-"
-            return f"{walk:.2f} / {marginal:.2f} ({r[f'{prefix}_nodes']})"
-
         over = f"{r['over_chain']:.2f}x" if r["over_chain"] else "-"
         print(f"  {method} | {r['tau']:.2f} | {r['speedup']:.2f}x | {over} | {r['tree_share']:.0%} | "
-              f"{rate('after_sibling')} | {rate('after_chain')} | {r['identical']}/{r['prompts']}")
+              f"{_hits(r, 'after_sibling')} | {_hits(r, 'after_chain')} | {r['identical']}/{r['prompts']}")
+
+
+SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "mixed-heldout": "held-out chat + code"}
+START = "<!-- trees table: python scripts/trees_bench.py --render docs/results/trees.json -->"
+END = "<!-- end of trees table -->"
+
+
+def markdown_table(report: dict) -> str:
+    """The run's table: per suite and method, tau (counted), speed over plain and over the same drafter's chain,
+    the share of cycles that verified a tree, and the best child's hit rate after an accepted sibling and on the
+    chain, as the corrector ranks a node's children (walk) and as the slot's marginals do."""
+    lines = [f"`{' '.join(report['command_line'])}` on {report['machine']}; tuning line of the run: "
+             f"{tuning_line(report['tuning'])}.", "",
+             "| prompts | method | tau | speedup over plain | over the chain | tree cycles | after a sibling: walk / "
+             "marginals (nodes) | on the chain: walk / marginals (nodes) | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for suite, methods in report["suites"].items():
+        for method, r in methods.items():
+            cells = [f"{SUITE_NAMES.get(suite, suite)}, {r['prompts']}", method, f"{r['tau']:.2f}",
+                     f"{r['speedup']:.2f}x", f"{r['over_chain']:.2f}x" if r["over_chain"] else "-",
+                     f"{r['tree_share']:.0%}", _hits(r, "after_sibling"), _hits(r, "after_chain"),
+                     f"{r['identical']}/{r['prompts']}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _hits(result: dict, prefix: str) -> str:
+    walk, marginal = result[f"{prefix}_walk"], result[f"{prefix}_marginal"]
+    return "-" if walk is None else f"{walk:.2f} / {marginal:.2f} ({result[f'{prefix}_nodes']})"
+
+
+def tuning_line(summary: str) -> str:
+    found = re.search(r"plain step [0-9.]+ ms, verify of \d+ rows [0-9.]+x it", summary or "")
+    return found.group(0) if found else "untuned"
+
+
+def write_table(doc: Path, table: str) -> None:
+    text = doc.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{doc}: add the lines {START} and {END} where the table goes")
+    head, rest = text.split(START, 1)
+    doc.write_text(f"{head}{START}\n{table}\n{END}{rest.split(END, 1)[1]}")
 
 
 if __name__ == "__main__":

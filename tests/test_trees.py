@@ -215,6 +215,20 @@ def test_trees_with_eos_and_budget_inside_a_branch(cache):
                     cache_implementation=cache)
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa_cpu_gqa"])
+def test_trees_are_exact_with_every_attention_that_takes_their_mask(attention):
+    """The tree's 4D mask in each format: additive for eager attention, boolean for SDPA and its CPU variant."""
+    target, drafter = _models("scrambled")
+    before = target.config._attn_implementation
+    target.set_attn_implementation(attention)
+    try:
+        for seed, lengths in [(60, [4, 10, 7]), (61, [8])]:
+            stats = _greedy(target, drafter, seed, lengths, 16, tree_budget=10)
+            assert sum(s.tree_cycles for s in stats) > 0
+    finally:
+        target.set_attn_implementation(before)
+
+
 def test_a_drafter_without_corrector_builds_marginal_trees():
     target, drafter = _models("fitted")
     ids, mask = left_padded(9, [5, 11, 3])

@@ -28,7 +28,8 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import create_causal_mask
 
-from .hf_compat import cache_kwargs
+from .cpu_attention import CPU_GQA_ATTENTION
+from .hf_compat import attention_implementation, cache_kwargs
 
 # Compact both caches once masked columns (left padding + holes) exceed this fraction of them: a gather of the whole
 # cache, paid rarely, against attention over the wasted columns in every later forward.
@@ -165,8 +166,11 @@ class TargetMasks:
     attention implementation) with the window counted in committed tokens: a key is visible to a query when it is
     one of the `window` last tokens up to and including the query's, exactly the keys plain decoding attends to.
 
-    A draft tree's forward (`trees.py`) gets them too, with each node seeing only its ancestors among the block's
-    columns (`tree_function`), at the positions of its depth, which the window counts as well.
+    A draft tree's forward (`trees.py`) gets a 4D mask too, each node seeing only its ancestors among the block's
+    columns: without sliding layers built here at once (the key mask, with the tree's ancestry over the block's
+    columns: boolean for SDPA, additive for eager, as transformers' builder makes them, which takes a prepared 4D mask
+    as it is), else through `create_causal_mask` with the window counted at the nodes' depths as well; transformers'
+    per-element mask function costs milliseconds a cycle on a CPU, the direct build a few small tensor ops.
 
     The cache is dynamic or static (`StaticTargetLayer`: buffers allocated once for the call, every layer full, like
     the dynamic one with sliding layers); both hold the same columns, so the masks are the same for both.
@@ -186,6 +190,18 @@ class TargetMasks:
         self.windows = {kind: None if window is None or window >= longest else window
                         for kind, window in windows.items()}
         self.by_type = getattr(text, "layer_types", None) is not None  # the model reads {layer type: mask}
+        self.additive = attention_implementation(target) == "eager"  # eager adds its mask; SDPA takes booleans too
+        self.direct = not self.sliding and attention_implementation(target) in ("eager", "sdpa", CPU_GQA_ATTENTION)
+
+    def _tree_mask(self, mask: torch.Tensor, visible: torch.BoolTensor, start: int) -> torch.Tensor:
+        """The 4D mask of a tree's forward without sliding layers: key mask [b, K + n], block visibility [b, n, n]
+        -> [b, 1, n, K + n], boolean (True: attend) or additive (0 / the dtype's minimum) for eager attention."""
+        seen = mask.bool()[:, None, None, :].repeat(1, 1, visible.shape[1], 1)  # [b, 1, n, K + n]
+        seen[..., start:] &= visible[:, None]
+        if not self.additive:
+            return seen
+        additive = torch.zeros(seen.shape, dtype=self.dtype, device=seen.device)
+        return additive.masked_fill_(~seen, torch.finfo(self.dtype).min)
 
     def new_cache(self) -> Cache:
         if self.capacity is not None:
@@ -205,6 +221,8 @@ class TargetMasks:
         if not self.sliding and tree is None:
             return mask
         start = cache.get_seq_length()
+        if self.direct:
+            return self._tree_mask(mask, tree[0], start)
         positions = mask.cumsum(1) - 1  # [b, K + n] each visible column's index in its unpadded sequence
         if tree is not None:  # siblings share a position: the block's are its nodes' depths after the anchor's
             positions = torch.cat([positions[:, :start], tree[1]], dim=1)

@@ -176,7 +176,8 @@ def tune(
     if not auto or cost_aware:
         set_block_size(drafter, drafted)
     on_cpu = device.type == "cpu"
-    max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size)
+    # The widest forwards the few-row layouts serve: two blocks' rows per sequence, or a draft tree's and its anchor.
+    max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size, verify_width(drafter, blocks) * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
 
     if on_cpu and gqa_attention and attention_implementation(target) == "sdpa":
