@@ -32,6 +32,7 @@ from dcoco_hf.cli.bench import (
     format_report,
     rotated,
 )
+from dcoco_hf.network.configuration_dcoco import DecodingChoices
 from dcoco_hf.runtime.cpu_linear import LAYOUTS
 from dcoco_hf.runtime.hf_compat import assisted_static_cache
 from dcoco_hf.cli.plots import PLOT_FILES
@@ -236,10 +237,11 @@ def test_bench_block_size_and_static_cache(tiny):
     report = json.loads((tiny.root / "static.json").read_text())
     assert report["config"]["block_size"] == 4 and report["config"]["config_block_size"] == 8
     assert report["config"]["cache"] == "static"
-    # CPU default: forwards of 2 to 2 x block rows (the run's --block-size 4, not the config's 8) take the layout
-    # measured fastest on this machine
+    # CPU default: forwards of 2 to 2 x block rows (the run's --block-size 4, not the config's 8), or to a draft tree
+    # of the default budget and its anchor where that is wider, take the layout measured fastest on this machine
     plan = report["config"]["few_rows_linear"]
-    assert set(plan) == {str(rows) for rows in range(2, 9)} and set(plan.values()) <= set(LAYOUTS)
+    widest = max(2 * 4, DecodingChoices().tree_budget + 1)
+    assert set(plan) == {str(rows) for rows in range(2, widest + 1)} and set(plan.values()) <= set(LAYOUTS)
     for name in ("prompt_lookup", "dflash", "dcoco"):  # prompt lookup and DFlash overrun an exact-size static cache
         assert report["methods"][name]["equal_to_vanilla"] == 1.0, name
     for name in ("dflash", "dcoco"):
@@ -274,7 +276,9 @@ def test_a_drafter_trained_on_longer_blocks_drafts_them_on_request(tiny):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"block_size": 3, "max_block_size": 6}))
     generation = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps(generation | {"num_assistant_tokens": 2}))
+    # A small tree budget, so that the longest block, not a tree, sets the widest forward laid out
+    (folder / "generation_config.json").write_text(
+        json.dumps(generation | {"num_assistant_tokens": 2, "tree_budget": 4}))
     loaded = DCOCODrafter.from_pretrained(folder)
     assert (loaded.config.block_size, loaded.draft_block_size) == (6, 3)
     assert "max_block_size" not in loaded.config.to_dict()

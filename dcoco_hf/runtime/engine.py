@@ -186,9 +186,9 @@ class SpeculationEngine:
     def draft_block(self, row_ids: Sequence[int], cap: int, may_skip: bool = True) -> int | None:
         """The block (anchor + slots) the next `draft` drafts: the configured one, or the cost-aware schedule's for
         the rows' mean running acceptance and draftable share (`plan_draft`). None (with `may_skip`): no draft this
-        cycle but another run of plain steps (`plain_left`), because after the last one the plan still says drafting
-        would not pay; a draft probes again at the latest after `PROBE_EVERY` plain steps, as the text may change
-        in ways the plan cannot see."""
+        cycle but a run of plain steps (`plain_left`), because the plan says drafting would not pay (it reads the
+        drafts of earlier cycles and calls); a draft probes again at the latest after `PROBE_EVERY` plain steps in a
+        row, as the text may change in ways the plan cannot see."""
         self._draftable = [self._draftable_share(row) for row in row_ids]
         if self.schedule is None:
             self._plan = DraftPlan(self.block_size, 1.0)
@@ -196,7 +196,7 @@ class SpeculationEngine:
         recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
         draftable = sum(self._draftable) / len(self._draftable)
         self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor, batch=len(row_ids))
-        if may_skip and self.plain_run and self._plan.gain < 1.0 and self._plain_since_draft < PROBE_EVERY:
+        if may_skip and self._plan.gain < 1.0 and self._plain_since_draft < PROBE_EVERY:
             self.plain_run = self.plain_left = next_plain_run(self._plan.gain, self.plain_run)
             self._plan = None
             return None
