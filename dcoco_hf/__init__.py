@@ -37,7 +37,7 @@ DCOCOConfig.register_for_auto_class("AutoConfig")
 AutoConfig.register(DCOCOConfig.model_type, DCOCOConfig, exist_ok=True)
 AutoModel.register(DCOCOConfig, DCOCODrafter, exist_ok=True)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BlockSizeChoice",

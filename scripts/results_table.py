@@ -3,9 +3,10 @@
     python scripts/results_table.py            # print them
     python scripts/results_table.py --write    # and replace them in README.md, the model card and docs/results.md
 
-Rows: the public-API run (`scripts/api_bench.py`: from_pretrained, attach, generate; every suite in one process)
+Tables: the public-API run (`scripts/api_bench.py`: from_pretrained, attach, generate; every suite in one process)
 and the side-by-side bench of the same engine with the corrector on and off (`dcoco-hf bench --methods
-vanilla,dflash,dcoco`). Each table names its command, its machine and its run's tuning line (the plain step and a
+vanilla,dflash,dcoco`); in docs/results.md also the batched loop's runs (`dcoco-hf bench-batch`), beside the same
+command on an earlier commit. Each table names its command, its machine and its run's tuning line (the plain step and a
 verify of 8 rows as a multiple of it: what a speedup depends on, so a reader can compare their machine's). A figure
 in the README or the card that is not in these files is a defect; `tests/test_model_card.py` checks the tables
 against them. The README links each file; the card, a Hub page where a relative link to the repository resolves
@@ -30,6 +31,8 @@ SUITE_NAMES = {
 }
 BENCHES = (("", "bench_dflash_vs_dcoco.json"), ("@4", "bench_dflash_vs_dcoco_block4.json"))
 BENCH_SUITES = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
+SAMPLING_RUN = "bench_sampling.json"
+SPLIT_RUN = "split_costs.json"
 _TUNING_LINE = re.compile(r"plain step [0-9.]+ ms, verify of \d+ rows [0-9.]+x it")
 
 
@@ -92,11 +95,12 @@ def bench_rows(link: bool = True) -> list[str]:
         report = _load(file)
         if report is None:
             continue
-        block = report["config"]["block_size"] if not suffix else int(suffix[1:])
+        blocks = (f"blocks up to {report['config']['block_size']} sized per cycle" if not suffix
+                  else f"whole blocks of {suffix[1:]}")
         for suite, methods in report["suites"].items():
             dflash, dcoco = methods[f"dflash{suffix}"], methods[f"dcoco{suffix}"]
             rows.append(
-                f"| {BENCH_SUITES.get(suite, suite)}, {dcoco['prompts']} prompts, blocks of {block} "
+                f"| {BENCH_SUITES.get(suite, suite)}, {dcoco['prompts']} prompts, {blocks} "
                 f"({source(file, link)}) | {dflash['tau']:.2f} / {dcoco['tau']:.2f} | "
                 f"{dcoco['tau'] / dflash['tau']:.3f} | {dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | "
                 f"{100 * dcoco['corrector_share']:.1f}% |"
@@ -116,18 +120,16 @@ def bench_caption() -> list[str]:
 
 def table(link: bool = True) -> str:
     lines = [
-        "Through the public API alone (`from_pretrained`, default `attach`, then `target.generate(...,",
-        "assistant_model=drafter)` or `speculative_generate` one prompt at a time; greedy, 128 new tokens, plain",
-        "`generate()` and the drafter back to back per prompt; docs/results.md):",
+        "The public API alone (`from_pretrained`, default `attach`, `generate(..., assistant_model=drafter)` or",
+        "`speculative_generate` on one prompt; greedy, 128 new tokens, beside plain `generate()` per prompt):",
         "",
         *api_header(),
         *api_rows(link),
         "",
         *api_caption(),
         "",
-        "The corrector alone: the same engine, weights, draft vocabulary, layouts and block, with the corrector off",
-        "(`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench --methods vanilla,dflash,dcoco`, and",
-        "`dflash@4,dcoco@4` for blocks of 4; with blocks of 2 the corrector can only re-select slot 1):",
+        "The corrector alone: the same engine, weights, draft vocabulary, layouts and blocks, with the corrector",
+        "off (`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench`):",
         "",
         "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
         "| --- | --- | --- | --- | --- |",
@@ -142,7 +144,7 @@ START, END = "<!-- results table: python scripts/results_table.py --write -->", 
 DOCS = {ROOT / "README.md": True, ROOT / "model_cards" / "dcoco-smollm2-135m" / "README.md": False}  # links?
 
 
-RESULTS_DOC = ROOT / "docs" / "results.md"  # the public-API table alone, linked from docs/
+RESULTS_DOC = ROOT / "docs" / "results.md"  # the public-API table and the batch tables, linked from docs/
 
 
 def api_table() -> str:
@@ -150,19 +152,166 @@ def api_table() -> str:
     return "\n".join([*api_header(), *rows, "", *api_caption()])
 
 
+# bench-batch runs: {suite: prompts}; each suite has this release's run (bench_batch_SUITE.json) and the same command
+# run on commit BEFORE_COMMIT (bench_batch_before_SUITE.json, its log beside it: that release's JSON had no tuning).
+BATCH_SUITES = {"mixed": "16 held-out chat + code prompts", "humaneval": "HumanEval, prompts 1-16"}
+BEFORE_COMMIT = "1e7f254"
+
+
+def _speed(entry: dict | None) -> str:
+    """"0.98x / 1.00x (1.46)": summed tokens/s over plain's / median per batch run (where recorded) (tau)."""
+    if entry is None:
+        return "-"
+    median = f" / {entry['median_speedup']:.2f}x" if entry.get("median_speedup") is not None else ""
+    return f"{entry['speedup']:.2f}x{median} ({entry['tau']:.2f})"
+
+
+def batch_rows(suite: str) -> list[str]:
+    """One row per batch size: plain batched generate()'s tokens/s, DFlash and DCOCO as speedup (tau) before and
+    now, and how DCOCO's row-cycles split between plain steps, chains and trees now (the plan's tree option; a tree
+    whose nodes form one path is verified as that chain)."""
+    now, before = _load(f"bench_batch_{suite}.json"), _load(f"bench_batch_before_{suite}.json")
+    if now is None:
+        return []
+    rows = []
+    for size, methods in now["results"].items():
+        earlier = (before or {}).get("results", {}).get(size, {})
+        dcoco = methods["dcoco"]
+        lengths = {int(k): n for k, n in dcoco["proposal_lengths"].items()}
+        cycles = sum(lengths.values())
+        rows.append(" | ".join([
+            f"| {size}", f"{methods['vanilla']['tokens_per_s']:.1f}", _speed(earlier.get("dflash")),
+            _speed(earlier.get("dcoco")), _speed(methods["dflash"]), _speed(dcoco),
+            f"{lengths.get(0, 0)} / {cycles - lengths.get(0, 0)} / {dcoco['tree_cycles']}",
+        ]) + " |")
+    return rows
+
+
+def _before_tuning(suite: str) -> str:
+    log = ROOT / RESULTS / f"bench_batch_before_{suite}.log"
+    return tuning_line(log.read_text() if log.is_file() else None)
+
+
+def batch_costs_line(config: dict) -> str:
+    """"batch 4: plain step 71 ms, verify of 8 rows per sequence 2.65x it; ..." from a run's timed batch costs."""
+    return "; ".join(f"batch {size}: plain step {costs['plain_ms']:.0f} ms, verify of 8 rows per sequence "
+                     f"{costs['verify_8_over_plain']:.2f}x it" for size, costs in config.get("batch_costs", {}).items())
+
+
+def batch_table(suite: str) -> str:
+    now, before = _load(f"bench_batch_{suite}.json"), _load(f"bench_batch_before_{suite}.json")
+    if now is None:
+        return ""
+    config = now["config"]
+    lines = [
+        f"{BATCH_SUITES[suite]}, {config['max_new_tokens']} new tokens, greedy, every batch run "
+        f"{config.get('rounds', 1)} times per method: speedup over plain batched `generate()` in the same run (summed "
+        "tokens/s over plain's / the median of each batch run's ratio to plain on the same batch; the run at "
+        f"{BEFORE_COMMIT} ran every batch once and recorded the first only), tau in brackets:",
+        "",
+        f"| batch | plain tok/s | DFlash, {BEFORE_COMMIT} | DCOCO, {BEFORE_COMMIT} | DFlash | DCOCO "
+        "| DCOCO row-cycles: plain steps / chains / trees |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *batch_rows(suite),
+        "",
+        f"`{' '.join(config['command_line'])}`; tuning line {tuning_line(config.get('tuning'))}; "
+        f"{batch_costs_line(config)}.",
+    ]
+    if before is not None:
+        lines += ["", f"{BEFORE_COMMIT}: the same command in a checkout of that commit; tuning line "
+                  f"{_before_tuning(suite)} ([log](results/bench_batch_before_{suite}.log))."]
+    return "\n".join(lines)
+
+
+def bench_table() -> str:
+    """docs/results.md's table of the corrector alone: the README's rows, linked from docs/."""
+    rows = [row.replace(f"]({RESULTS}/", "](results/") for row in bench_rows(True)]
+    return "\n".join(["| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
+                      "| --- | --- | --- | --- | --- |", *rows, "", *bench_caption()])
+
+
+def sampling_table() -> str:
+    """One row per method of the sampling bench: tokens (lengths differ under sampling), tok/s, speedup, tau."""
+    report = _load(SAMPLING_RUN)
+    if report is None:
+        return ""
+    lines = ["| prompts | method | tokens | tok/s | speedup (tokens/s) | tau | corrector share |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for suite, methods in report["suites"].items():
+        for name, r in methods.items():
+            share = "-" if name == "vanilla" else f"{100 * r['corrector_share']:.1f}%"
+            lines.append(f"| {BENCH_SUITES.get(suite, suite)}, {r['prompts']} | {name} | {r['new_tokens']} | "
+                         f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | {share} |")
+    config = report["config"]
+    lines += ["", f"`{' '.join(config['command_line'])}`: temperature {config['temperature']}, tuning line "
+              f"{tuning_line(config.get('tuning'))}."]
+    return "\n".join(lines)
+
+
+def proposal_table() -> str:
+    """docs/proposal.md's table: per suite and call of the public-API run, speedup, tau and how the cycles split
+    (proposal lengths, 0: plain steps; trees)."""
+    report = _load(API_RUN)
+    if report is None:
+        return ""
+    lines = ["| prompts | call | speedup | tau | cycles per proposal length (0: plain step) | tree cycles |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for suite, result in report["suites"].items():
+        for method in report["methods"][1:]:
+            t = result["totals"][method]
+            lengths = ", ".join(f"{k}: {n}" for k, n in t["proposal_lengths"].items())
+            lines.append(f"| {SUITE_NAMES.get(suite, suite)} | {method} | {t['speedup']:.2f}x | {t['tau']:.2f} | "
+                         f"{lengths} | {t['tree_cycles']} |")
+    return "\n".join([*lines, "", *api_caption()])
+
+
+def split_table() -> str:
+    """Two forwards (a plain step of the failing half, a verify of the rest) over one, per batch size and k."""
+    report = _load(SPLIT_RUN)
+    if report is None:
+        return ""
+    proposals = list(next(iter(report["ratios"].values())))
+    lines = ["| batch | " + " | ".join(f"k = {k}" for k in proposals) + " |", "|" + " --- |" * (len(proposals) + 1)]
+    for size, row in report["ratios"].items():
+        lines.append(f"| {size} | " + " | ".join(f"{row[k]:.2f}" for k in proposals) + " |")
+    caption = f"`{' '.join(report['command_line'])}`: tuning line {tuning_line(report['tuning'])}."
+    return "\n".join([*lines, "", caption])
+
+
+SECTIONS = {"bench": bench_table, "sampling": sampling_table, "split": split_table}  # docs/results.md's others
+PROPOSAL_DOC = ROOT / "docs" / "proposal.md"
+
+
+def section_marks(name: str) -> tuple[str, str]:
+    return f"<!-- {name} table: python scripts/results_table.py --write -->", f"<!-- end of {name} table -->"
+
+
+def batch_marks(suite: str) -> tuple[str, str]:
+    return (f"<!-- batch table {suite}: python scripts/results_table.py --write -->",
+            f"<!-- end of batch table {suite} -->")
+
+
 def write() -> None:
     """Replace the tables between START and END in each doc: with links in the README, file paths in the card; and
     the public-API table in docs/results.md."""
     for doc, link in DOCS.items():
-        _replace(doc, table(link))
-    _replace(RESULTS_DOC, api_table())
+        replace_between(doc, table(link))
+    replace_between(RESULTS_DOC, api_table())
+    for suite in BATCH_SUITES:
+        replace_between(RESULTS_DOC, batch_table(suite), *batch_marks(suite))
+    for name, render in SECTIONS.items():
+        replace_between(RESULTS_DOC, render(), *section_marks(name))
+    replace_between(PROPOSAL_DOC, proposal_table(), *section_marks("proposal"))
 
 
-def _replace(doc: Path, rendered: str) -> None:
+def replace_between(doc: Path, rendered: str, start: str = START, end: str = END) -> None:
+    """Put `rendered` between the marker lines `start` and `end` of `doc`."""
     text = doc.read_text()
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    doc.write_text(f"{before}{START}\n{rendered}\n{END}{after}")
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: add the lines {start} and {end} where the table goes")
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    doc.write_text(f"{before}{start}\n{rendered}\n{end}{after}")
 
 
 if __name__ == "__main__":

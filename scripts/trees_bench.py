@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from dcoco_hf.assets import default_target_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_bench import DEFAULT_DRAFTER, chat_inputs, load_suite, machine  # noqa: E402
+from results_table import replace_between, tuning_line  # noqa: E402
 
 # name: (schedule, tree budget, corrector on)
 METHODS = {
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         table = markdown_table(json.loads(Path(args.render).read_text()))
         print(table)
         if args.write:
-            write_table(Path(args.write), table)
+            replace_between(Path(args.write), table, START, END)
         return {}
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -184,19 +184,6 @@ def markdown_table(report: dict) -> str:
 def _hits(result: dict, prefix: str) -> str:
     walk, marginal = result[f"{prefix}_walk"], result[f"{prefix}_marginal"]
     return "-" if walk is None else f"{walk:.2f} / {marginal:.2f} ({result[f'{prefix}_nodes']})"
-
-
-def tuning_line(summary: str) -> str:
-    found = re.search(r"plain step [0-9.]+ ms, verify of \d+ rows [0-9.]+x it", summary or "")
-    return found.group(0) if found else "untuned"
-
-
-def write_table(doc: Path, table: str) -> None:
-    text = doc.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{doc}: add the lines {START} and {END} where the table goes")
-    head, rest = text.split(START, 1)
-    doc.write_text(f"{head}{START}\n{table}\n{END}{rest.split(END, 1)[1]}")
 
 
 if __name__ == "__main__":

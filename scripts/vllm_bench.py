@@ -192,25 +192,32 @@ def summarise(runs: dict) -> dict:
 
 
 def table(summary: dict, meta: dict) -> str:
-    """The markdown table of docs/serving.md, the command beside it."""
+    """The markdown table of docs/serving.md, the command beside it. Speed columns only for a run that recorded its
+    tuning line (`meta["tuning"]`: plain step, verify of 8 rows as a multiple of it), on which a speedup depends."""
     names = {"plain": "plain vLLM (no speculation)", "dflash": "backbone, `--format dflash`, method `dflash`",
              "dcoco": "DCOCO, `--format vllm`, method `dflash` + plugin",
              "selector": "DFlash2 selector, `--format vllm`, method `dflash` + plugin",
              "dflash2": "DFlash2 selector, `--format dflash2`, method `dflash`",
              "dflash2-argmax": "DFlash2 selector, `--format dflash2`, V1 check lifted (argmax drafts)"}
-    lines = [f"`{meta['command']}` (vLLM {meta['vllm']}, {meta['machine']}; {meta['prompts']} prompts: "
-             f"{meta['prompt_sources']}; {meta['max_tokens']} greedy tokens, fp32, K = {meta['k']})", "",
-             "| served | mean acceptance length | accepted per position | tok/s, 1 request | vs plain | "
-             "tok/s, 4 requests | vs plain | identical to plain |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    speeds = "tuning" in meta
+    caption = (f"`{meta['command']}` (vLLM {meta['vllm']}, {meta['machine']}; {meta['prompts']} prompts: "
+               f"{meta['prompt_sources']}; {meta['max_tokens']} greedy tokens, fp32, K = {meta['k']}")
+    caption += f"; tuning line {meta['tuning']})" if speeds else "; no tuning line recorded: speeds left out)"
+    header = ["served", "mean acceptance length", "accepted per position", "identical to plain"]
+    if speeds:
+        header[3:3] = ["tok/s, 1 request", "vs plain", "tok/s, 4 requests", "vs plain"]
+    lines = [caption, "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, row in summary.items():
         if "refused" in row:
-            lines.append(f"| {names[name]} | refused: `{row['refused']}` | | | | | | |")
+            lines.append(f"| {names[name]} | refused: `{row['refused']}` |" + " |" * (len(header) - 2))
             continue
-        acceptance = f"{row['mean_acceptance_length']:.3f}" if "mean_acceptance_length" in row else "-"
-        positions = ", ".join(f"{p:.3f}" for p in row.get("acceptance_per_position", [])) or "-"
-        same = "yes" if row["identical_c1"] and row["identical_c4"] else "NO"
-        lines.append(f"| {names[name]} | {acceptance} | {positions} | {row['tokens_per_s_c1']:.1f} | "
-                     f"{row['vs_plain_c1']:.2f}x | {row['tokens_per_s_c4']:.1f} | {row['vs_plain_c4']:.2f}x | {same} |")
+        cells = [names[name], f"{row['mean_acceptance_length']:.3f}" if "mean_acceptance_length" in row else "-",
+                 ", ".join(f"{p:.3f}" for p in row.get("acceptance_per_position", [])) or "-"]
+        if speeds:
+            cells += [f"{row['tokens_per_s_c1']:.1f}", f"{row['vs_plain_c1']:.2f}x", f"{row['tokens_per_s_c4']:.1f}",
+                      f"{row['vs_plain_c4']:.2f}x"]
+        cells.append("yes" if row["identical_c1"] and row["identical_c4"] else "NO")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -439,10 +439,13 @@ def test_bench_batch_cli(fitted, arch, tmp_path):
     out = tmp_path / "batch.json"
     result = run_cli("bench-batch", "--target", tmp_path / "target", "--drafter", tmp_path / "drafter",
                      "--prompts", prompts, "--batch-size", "1,3", "--max-new-tokens", 10, "--warmup", 0,
-                     "--json", out)
+                     "--rounds", 2, "--json", out)
     assert result.code == 0, result.err
     report = json.loads(out.read_text())
-    assert list(report["results"]) == ["1", "3"]
+    assert list(report["results"]) == ["1", "3"] and report["config"]["rounds"] == 2
+    assert [report["results"][size]["vanilla"]["batches"] for size in ("1", "3")] == [6, 2]  # every batch twice
+    assert all(row["vanilla"]["median_speedup"] == 1.0 and row["dcoco"]["median_speedup"] > 0
+               for row in report["results"].values())
     assert all(row["dcoco"]["equal_to_vanilla"] for row in report["results"].values())
     assert "dcoco/dflash" in result.out
     assert set(report["config"]["few_rows_linear"].values()) <= set(LAYOUTS)  # CPU default: the measured layout
@@ -453,3 +456,6 @@ def test_bench_batch_cli(fitted, arch, tmp_path):
     bad = run_cli("bench-batch", "--target", tmp_path / "target", "--random-drafter", "--prompts", prompts,
                   "--batch-size", "0,x")
     assert bad.code == 2 and "--batch-size" in bad.err
+    no_rounds = run_cli("bench-batch", "--target", tmp_path / "target", "--random-drafter", "--prompts", prompts,
+                        "--rounds", 0)
+    assert no_rounds.code == 2 and "--rounds" in no_rounds.err

@@ -8,6 +8,7 @@ these tests fail as soon as the package code changes without the copy being refr
 from __future__ import annotations
 
 import json
+import re
 import runpy
 from pathlib import Path
 
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CARD = ROOT / "model_cards" / DEFAULT_DRAFTER_NAME
 _SYNC = runpy.run_path(str(ROOT / "scripts" / "sync_model_card.py"))
 _RESULTS = runpy.run_path(str(ROOT / "scripts" / "results_table.py"))
+_TREES = runpy.run_path(str(ROOT / "scripts" / "trees_bench.py"))
 CODE_FILES = tuple(_SYNC["remote_code_files"]())
 HEAD_CARDS = [ROOT / "model_cards" / "lilicorr-smollm2-135m", ROOT / "model_cards" / "dflash2-selector-smollm2-135m"]
 # Each side-by-side bench JSON and the documents that show its table.
@@ -105,28 +107,64 @@ def test_shipped_drafter_is_lossless_on_the_default_target(layout):
     assert drafter.generation_stats(got).committed_tokens == 24
 
 
+def _shown(doc: Path, start: str, end: str) -> str:
+    return doc.read_text().split(start, 1)[1].split(end, 1)[0].strip()
+
+
 def test_results_tables_are_their_json_files():
-    """The README's and the card's results tables are `scripts/results_table.py`'s rendering of the benchmark JSON
-    files they link to (`--write`), not figures typed by hand."""
+    """The README's, the card's and docs/results.md's results tables are `scripts/results_table.py`'s rendering of
+    the benchmark JSON files they link to (`--write`), not figures typed by hand; so is docs/trees.md's table
+    (`scripts/trees_bench.py --render`)."""
     rows = _RESULTS["api_rows"]() + _RESULTS["bench_rows"]()
     assert len(rows) >= 6, "docs/results/ lost its benchmark files"
     for doc, link in _RESULTS["DOCS"].items():
-        shown = doc.read_text().split(_RESULTS["START"], 1)[1].split(_RESULTS["END"], 1)[0].strip()
-        assert shown == _RESULTS["table"](link), f"{doc}: run python scripts/results_table.py --write"
+        assert _shown(doc, _RESULTS["START"], _RESULTS["END"]) == _RESULTS["table"](link), (
+            f"{doc}: run python scripts/results_table.py --write")
     results = _RESULTS["RESULTS_DOC"]
-    shown = results.read_text().split(_RESULTS["START"], 1)[1].split(_RESULTS["END"], 1)[0].strip()
-    assert shown == _RESULTS["api_table"](), f"{results}: run python scripts/results_table.py --write"
+    assert _shown(results, _RESULTS["START"], _RESULTS["END"]) == _RESULTS["api_table"]()
+    for suite in _RESULTS["BATCH_SUITES"]:
+        assert _RESULTS["batch_rows"](suite), f"docs/results/bench_batch_{suite}.json is missing"
+        assert _shown(results, *_RESULTS["batch_marks"](suite)) == _RESULTS["batch_table"](suite), (
+            f"{results}: run python scripts/results_table.py --write")
+    for name, render in _RESULTS["SECTIONS"].items():
+        assert _shown(results, *_RESULTS["section_marks"](name)) == render() != "", name
+    proposal = _shown(_RESULTS["PROPOSAL_DOC"], *_RESULTS["section_marks"]("proposal"))
+    assert proposal == _RESULTS["proposal_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
+    trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "results" / "trees.json").read_text()))
+    assert _shown(ROOT / "docs" / "trees.md", _TREES["START"], _TREES["END"]) == trees, (
+        "run python scripts/trees_bench.py --render docs/results/trees.json --write docs/trees.md")
+
+
+def test_every_published_speed_names_its_tuning_line():
+    """A speedup depends on the host's plain step and verify cost: every results table's caption gives the tuning
+    line of its run, so a reader can tell the prompts from the machine."""
+    line = re.compile(r"plain step [0-9.]+ ms, verify of \d+ rows [0-9.]+x it")
+    captions = [*_RESULTS["api_caption"](), *_RESULTS["bench_caption"]()]
+    assert len(captions) == 3
+    for suite in _RESULTS["BATCH_SUITES"]:
+        caption = _RESULTS["batch_table"](suite).split("\n\n")[-2:]
+        assert len(caption) == 2 and all(line.search(part) for part in caption), (suite, caption)
+    trees = json.loads((ROOT / "docs" / "results" / "trees.json").read_text())
+    captions.append(_TREES["markdown_table"](trees).split("\n")[0])
+    captions += [_RESULTS["sampling_table"]().split("\n")[-1], _RESULTS["split_table"]().split("\n")[-1]]
+    for caption in captions:
+        assert line.search(caption), caption
 
 
 def test_results_runs_kept_every_output_identical():
-    for file in ("api_mixed_heldout.json", "api_humaneval.json", "api_hard_to_draft.json", "api_mtbench.json"):
-        report = json.loads((ROOT / "docs" / "results" / file).read_text())
-        assert report["totals"]["identical"] == len(report["records"]) > 0, file
-        for run in report.get("runs", []):  # every fresh process of a repeated run
-            assert run["totals"]["identical"] == len(run["records"]), file
+    api = json.loads((ROOT / "docs" / "results" / "api_bench.json").read_text())
+    assert set(api["suites"]) == {"humaneval", "mtbench", "mixed-heldout", "hard-to-draft"}
+    for name, suite in api["suites"].items():
+        for method in api["methods"][1:]:
+            assert suite["totals"][method]["identical"] == suite["prompts"] == len(suite["records"]) > 0, name
     bench = json.loads((ROOT / "docs" / "results" / "bench_dflash_vs_dcoco.json").read_text())
     for suite in bench["suites"].values():
         assert suite["dflash"]["equal_to_vanilla"] == suite["dcoco"]["equal_to_vanilla"] == 1.0
+    for file in sorted((ROOT / "docs" / "results").glob("bench_batch_*.json")):
+        for size, methods in json.loads(file.read_text())["results"].items():
+            assert all(entry["equal_to_vanilla"] for entry in methods.values()), (file.name, size)
+    for name, methods in json.loads((ROOT / "docs" / "results" / "trees.json").read_text())["suites"].items():
+        assert all(r["identical"] == r["prompts"] > 0 for r in methods.values()), name
 
 
 def test_recorded_block_tau_is_the_block_size_bench():

@@ -12,13 +12,15 @@ each method's cycles: plain steps, chain proposals per length, tree cycles.
 
 For each batch size, the prompts are cut into batches (the prompt list is cycled to fill the last one) and every
 batch runs every method back to back, in an order rotated per batch, so slow phases of a shared machine hit all
-methods alike and the ratios measured in one run stay fair. tau = committed tokens / target forwards, summed over
-rows (one batched forward counts once per row it serves).
+methods alike and the ratios measured in one run stay fair; `--rounds N` runs every batch N times. Speedups: the
+summed tokens/s over plain's, and the median over batch runs of each run's ratio to plain on the same batch. tau =
+committed tokens / target forwards, summed over rows (one batched forward counts once per row it serves).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -86,8 +88,10 @@ def run_batch_bench(
     eos_token_id: int | list[int] | None = None,
     warmup: int = 1,
     seed: int = 0,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Measure every method at every batch size; returns {"config": ..., "results": {bs: {method: summary}}}."""
+    """Measure every method at every batch size, every batch `rounds` times (a batch size with one batch is one run
+    per method otherwise, at the mercy of a noisy spell); returns {"config": ..., "results": {bs: {method: ...}}}."""
     unknown = [m for m in methods if m not in BATCH_METHODS]
     if unknown or not methods:
         raise ValueError(f"unknown method(s) {unknown or methods}; choose from {','.join(BATCH_METHODS)}")
@@ -116,8 +120,8 @@ def run_batch_bench(
             ids, mask = batches[0]
             for method in methods:
                 _run_method(target, drafter, method, ids.to(device), mask.to(device), {**kwargs, "max_new_tokens": 4})
-        totals = {m: {"seconds": 0.0, "new_tokens": 0, "stats": DCOCOStats(), "equal": 0} for m in methods}
-        for index, (ids, mask) in enumerate(batches):
+        totals = {m: {"seconds": 0.0, "new_tokens": 0, "stats": DCOCOStats(), "equal": 0, "rates": []} for m in methods}
+        for index, (ids, mask) in enumerate(batches * rounds):
             ids, mask = ids.to(device), mask.to(device)
             outputs = {}
             for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
@@ -128,19 +132,23 @@ def run_batch_bench(
                 total = totals[method]
                 total["seconds"] += seconds
                 total["new_tokens"] += sum(new)
+                total["rates"].append(sum(new) / seconds)
                 if stats is None:  # plain decoding: one token per row and forward
                     stats = DCOCOStats(committed_tokens=sum(new), target_forwards=sum(new))
                 total["stats"] = total["stats"].merge(stats)
             if "vanilla" in outputs:
                 for method, sequences in outputs.items():
                     totals[method]["equal"] += int(torch.equal(sequences.cpu(), outputs["vanilla"].cpu()))
-        results[str(batch_size)] = _summarise(totals, len(batches), temperature == 0.0 and "vanilla" in methods)
+        results[str(batch_size)] = _summarise(totals, len(batches) * rounds,
+                                              temperature == 0.0 and "vanilla" in methods)
         log(f"batch size {batch_size}: " + ", ".join(
-            f"{m} {s['tokens_per_s']:.1f} tok/s (tau {s['tau']:.2f})" for m, s in results[str(batch_size)].items()
+            f"{m} {s['tokens_per_s']:.1f} tok/s (tau {s['tau']:.2f}, median per batch {s['median_speedup']:.2f}x)"
+            if s["median_speedup"] is not None else f"{m} {s['tokens_per_s']:.1f} tok/s (tau {s['tau']:.2f})"
+            for m, s in results[str(batch_size)].items()
         ))
     config = {"batch_sizes": list(batch_sizes), "methods": list(methods), "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": drafter.draft_block_size,
-              "tree_budget": drafter.decoding.tree_budget, "device": str(device),
+              "tree_budget": drafter.decoding.tree_budget, "rounds": rounds, "device": str(device),
               "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "tuning": drafter.tuning.summary() if drafter.tuning is not None else None, "batch_costs": timed}
     return {"config": config, "results": results}
@@ -156,6 +164,11 @@ def _summarise(totals: dict[str, dict[str, Any]], batches: int, greedy: bool) ->
         summary[method] = {
             "tokens_per_s": speed,
             "speedup": speed / base if base else None,
+            # each batch run's tokens/s over plain's on the same batch, run beside it: the median shrugs off a
+            # noisy spell that the summed time takes in whole
+            "median_speedup": statistics.median(
+                rate / plain for rate, plain in zip(total["rates"], vanilla["rates"])
+            ) if vanilla else None,
             "tau": stats.tau,
             "new_tokens": total["new_tokens"],
             "seconds": total["seconds"],
@@ -209,6 +222,8 @@ def add_bench_batch_parser(commands: Any, common: argparse.ArgumentParser) -> No
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per row (default 64)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed short rounds per batch size (default 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed runs of every batch per method, in a rotated order (default 1)")
     parser.add_argument("--random-drafter", action="store_true",
                         help="use an untrained DCOCODrafter.from_target(target) (smoke tests; tau ~ 1)")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
@@ -231,6 +246,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         batch_sizes = parse_batch_sizes(args.batch_size)
     except ValueError as err:
         raise CLIError(str(err)) from None
+    if args.rounds < 1:
+        raise CLIError(f"--rounds {args.rounds}: give at least 1 (timed runs of every batch per method)")
     methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not methods or set(methods) - set(BATCH_METHODS):
         raise CLIError(f"--methods {args.methods}: choose from {','.join(BATCH_METHODS)}")
@@ -252,7 +269,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     log(f"batched benchmark of {','.join(methods)} on {len(prompts)} prompt(s), batch sizes {batch_sizes}")
     report = run_batch_bench(
         loaded.target, drafter, prompts, batch_sizes, args.max_new_tokens, methods, temperature=args.temperature,
-        pad_token_id=padding_id(tokenizer), warmup=args.warmup, seed=args.seed,
+        pad_token_id=padding_id(tokenizer), warmup=args.warmup, seed=args.seed, rounds=args.rounds,
     )
     report["config"].update(
         target=loaded.target_name, drafter=drafter_name, command_line=["dcoco-hf", *args.argv],
