@@ -147,8 +147,13 @@ DOCS = {ROOT / "README.md": True, ROOT / "model_cards" / "dcoco-smollm2-135m" / 
 RESULTS_DOC = ROOT / "docs" / "results.md"  # the public-API table and the batch tables, linked from docs/
 
 
+def _from_docs(rows: list[str]) -> list[str]:
+    """Rows whose links lead from the repository root, as linked from a page in docs/."""
+    return [row.replace(f"]({RESULTS}/", "](results/") for row in rows]
+
+
 def api_table() -> str:
-    rows = [row.replace(f"]({RESULTS}/", "](results/") for row in api_rows(True)]
+    rows = _from_docs(api_rows(True))
     return "\n".join([*api_header(), *rows, "", *api_caption()])
 
 
@@ -225,7 +230,7 @@ def batch_table(suite: str) -> str:
 
 def bench_table() -> str:
     """docs/results.md's table of the corrector alone: the README's rows, linked from docs/."""
-    rows = [row.replace(f"]({RESULTS}/", "](results/") for row in bench_rows(True)]
+    rows = _from_docs(bench_rows(True))
     return "\n".join(["| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
                       "| --- | --- | --- | --- | --- |", *rows, "", *bench_caption()])
 
@@ -287,8 +292,7 @@ def section_marks(name: str) -> tuple[str, str]:
 
 
 def batch_marks(suite: str) -> tuple[str, str]:
-    return (f"<!-- batch table {suite}: python scripts/results_table.py --write -->",
-            f"<!-- end of batch table {suite} -->")
+    return section_marks(f"batch {suite}")
 
 
 def write() -> None:

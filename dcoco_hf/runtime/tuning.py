@@ -176,8 +176,9 @@ def tune(
     if not auto or cost_aware:
         set_block_size(drafter, drafted)
     on_cpu = device.type == "cpu"
+    widest = verify_width(drafter, blocks)
     # The widest forwards the few-row layouts serve: two blocks' rows per sequence, or a draft tree's and its anchor.
-    max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size, verify_width(drafter, blocks) * batch_size)
+    max_rows = max(DEFAULT_MAX_ROWS, 2 * max(blocks) * batch_size, widest * batch_size)
     tuning = Tuning(device=device_name(device), configured_block_size=configured)
 
     if on_cpu and gqa_attention and attention_implementation(target) == "sdpa":
@@ -189,7 +190,7 @@ def tune(
     key = _cache_key(target, drafter, device, max_rows, blocks, few_rows_linear and on_cpu, attention)
     path = cache_dir() / f"{key}.json" if use_cache else None
     layouts = on_cpu and few_rows_linear
-    cached = None if refresh else _read(path, max_rows if layouts else None, blocks, verify_width(drafter, blocks))
+    cached = None if refresh else _read(path, max_rows if layouts else None, blocks, widest)
     tuning.cache_file, tuning.from_cache = path, cached is not None
     cached = cached or {}
 
@@ -198,7 +199,6 @@ def tune(
         tuning.drafter_layout = _lay_out(drafter, max_rows, cached.get("drafter_layout"))
     # After the layouts: the costs are those of the forwards as they will run.
     cached_costs = cached.get("cycle_costs")  # checked by _read
-    widest = verify_width(drafter, blocks)
     tuning.costs = CycleCosts.from_dict(cached_costs) if cached_costs else measure_cycle_costs(
         target, drafter, blocks, max_rows=widest
     )
