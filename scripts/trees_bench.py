@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         table = markdown_table(json.loads(Path(args.render).read_text()))
         print(table)
         if args.write:
-            replace_between(Path(args.write), table, START, END)
+            replace_between(Path(args.write), table, *table_marks(Path(args.render).stem))
         return {}
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
         return result.sequences, time.perf_counter() - start, sum(result.stats, DCOCOStats())
 
     order_all = ["plain", *methods]
+    costs = drafter.cycle_costs
+    verify = {n: costs.verify_seconds(n) / costs.plain for n in VERIFY_COLUMNS} if costs is not None else {}
     report = {"command_line": ["python", "scripts/trees_bench.py", *argv], "machine": machine(), "tuning": tuning,
+              "verify_over_plain": verify,
               "config": {"command_line": ["python", "scripts/trees_bench.py", *argv], "block_size":
                          drafter.config.block_size, "max_new_tokens": args.max_new_tokens, "methods": methods},
               "suites": {}}
@@ -158,16 +161,25 @@ def print_suite(name: str, suite: dict, methods: list[str]) -> None:
 
 
 SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "mixed-heldout": "held-out chat + code"}
-START = "<!-- trees table: python scripts/trees_bench.py --render docs/results/trees.json -->"
-END = "<!-- end of trees table -->"
+VERIFY_COLUMNS = (2, 4, 5, 9, 17)  # the widths the caption reports: a chain's, small trees', the largest tree's
+REPORTS = ("trees", "trees_default")  # docs/results/NAME.json, each rendered into docs/trees.md
+
+
+def table_marks(name: str) -> tuple[str, str]:
+    """The markers around the table of docs/results/`name`.json in a document."""
+    return (f"<!-- {name} table: python scripts/trees_bench.py --render docs/results/{name}.json -->",
+            f"<!-- end of {name} table -->")
 
 
 def markdown_table(report: dict) -> str:
     """The run's table: per suite and method, tau (counted), speed over plain and over the same drafter's chain,
     the share of cycles that verified a tree, and the best child's hit rate after an accepted sibling and on the
     chain, as the corrector ranks a node's children (walk) and as the slot's marginals do."""
+    verify = report.get("verify_over_plain")
+    timed = (" Timed verify of N columns over a plain step: " + ", ".join(
+        f"{n}: {ratio:.2f}x" for n, ratio in verify.items()) + ".") if verify else ""
     lines = [f"`{' '.join(report['command_line'])}` on {report['machine']}; tuning line of the run: "
-             f"{tuning_line(report['tuning'])}.", "",
+             f"{tuning_line(report['tuning'])}.{timed}", "",
              "| prompts | method | tau | speedup over plain | over the chain | tree cycles | after a sibling: walk / "
              "marginals (nodes) | on the chain: walk / marginals (nodes) | identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -130,9 +130,10 @@ def test_results_tables_are_their_json_files():
         assert _shown(results, *_RESULTS["section_marks"](name)) == render() != "", name
     proposal = _shown(_RESULTS["PROPOSAL_DOC"], *_RESULTS["section_marks"]("proposal"))
     assert proposal == _RESULTS["proposal_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
-    trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "results" / "trees.json").read_text()))
-    assert _shown(ROOT / "docs" / "trees.md", _TREES["START"], _TREES["END"]) == trees, (
-        "run python scripts/trees_bench.py --render docs/results/trees.json --write docs/trees.md")
+    for name in _TREES["REPORTS"]:
+        trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text()))
+        assert _shown(ROOT / "docs" / "trees.md", *_TREES["table_marks"](name)) == trees, (
+            f"run python scripts/trees_bench.py --render docs/results/{name}.json --write docs/trees.md")
 
 
 def test_every_published_speed_names_its_tuning_line():
@@ -144,8 +145,9 @@ def test_every_published_speed_names_its_tuning_line():
     for suite in _RESULTS["BATCH_SUITES"]:
         caption = _RESULTS["batch_table"](suite).split("\n\n")[-2:]
         assert len(caption) == 2 and all(line.search(part) for part in caption), (suite, caption)
-    trees = json.loads((ROOT / "docs" / "results" / "trees.json").read_text())
-    captions.append(_TREES["markdown_table"](trees).split("\n")[0])
+    for name in _TREES["REPORTS"]:
+        trees = json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())
+        captions.append(_TREES["markdown_table"](trees).split("\n")[0])
     captions += [_RESULTS["sampling_table"]().split("\n")[-1], _RESULTS["split_table"]().split("\n")[-1]]
     for caption in captions:
         assert line.search(caption), caption
@@ -163,8 +165,9 @@ def test_results_runs_kept_every_output_identical():
     for file in sorted((ROOT / "docs" / "results").glob("bench_batch_*.json")):
         for size, methods in json.loads(file.read_text())["results"].items():
             assert all(entry["equal_to_vanilla"] for entry in methods.values()), (file.name, size)
-    for name, methods in json.loads((ROOT / "docs" / "results" / "trees.json").read_text())["suites"].items():
-        assert all(r["identical"] == r["prompts"] > 0 for r in methods.values()), name
+    for report in _TREES["REPORTS"]:
+        for name, methods in json.loads((ROOT / "docs" / "results" / f"{report}.json").read_text())["suites"].items():
+            assert all(r["identical"] == r["prompts"] > 0 for r in methods.values()), (report, name)
 
 
 def test_recorded_block_tau_is_the_block_size_bench():

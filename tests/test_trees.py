@@ -31,7 +31,14 @@ from test_lilicorr import lilicorr_copy, randomise
 
 from dcoco_hf import DCOCOStats, speculative_generate
 from dcoco_hf.runtime import engine as engine_module
-from dcoco_hf.runtime.proposal import AcceptanceModel, CycleCosts, ProposalSchedule
+from dcoco_hf.runtime.proposal import (
+    AcceptanceModel,
+    CycleCosts,
+    NodeFeatures,
+    PlannedTree,
+    ProposalSchedule,
+    tree_expected,
+)
 from dcoco_hf.runtime.target_cache import reorder_block
 from dcoco_hf.runtime.trees import TreeNode, best_first, chain_of, path_order, tree_scores
 
@@ -145,6 +152,37 @@ def test_the_schedule_verifies_a_tree_where_verify_is_cheap_and_the_chain_where_
     steep_choice = steep.choose_batch(chain, 7, 0.0, 8, trees=tree)
     chain_only = steep.choose_batch(chain, 7, 0.0, 8)
     assert steep_choice.gain >= chain_only.gain and steep_choice.tree < 16
+
+
+def test_tree_expected_multiplies_acceptance_along_each_path():
+    # anchor -> node 0 (0.5) -> node 2 (0.4); anchor -> node 1 (0.2): E = 1 + 0.5 + 0.2 + 0.5 * 0.4
+    assert tree_expected([0.5, 0.2, 0.4], [-1, -1, 0]) == pytest.approx([1.0, 1.5, 1.7, 1.9])
+
+
+def _bushy_tree(siblings: int, confidence: float) -> PlannedTree:
+    """`siblings` children of the anchor at slot 1 (the first on the chain), each as likely as the best."""
+    nodes = [NodeFeatures(0, confidence, 1.0, False) for _ in range(siblings)]
+    return PlannedTree(nodes, [-1] * siblings)
+
+
+def test_plain_steps_give_way_where_a_tree_pays_and_the_chain_does_not():
+    """The plan before a draft weighs the recent drafts' trees too: where the chain's slots are too weak to beat a
+    plain step but the first slot's siblings together are strong (verify columns up to 4 cost one, as on this CPU),
+    a call with a tree budget drafts, and one without takes plain steps."""
+    costs = CycleCosts(verify=[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], draft={4: 0.3, 8: 0.6})
+    acceptance = AcceptanceModel([0.5] * 7)
+    acceptance.weights = [1.0, 0.0, 0.0]  # each node's predicted acceptance is its confidence
+    acceptance.node_weights = [0.0, 0.0]
+    for _ in range(4):
+        acceptance.note_drafted([0.1] * 7, _bushy_tree(3, 0.25))
+    schedule = ProposalSchedule(costs, acceptance)
+    chain_plan = schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0)
+    tree_plan = schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0, tree_budget=16)
+    assert chain_plan.gain < 1.0 < tree_plan.gain  # three siblings at 0.25 each: 1.75 tokens for 1.3 plain steps
+    assert tree_plan.block == 4 and tree_plan.gain == pytest.approx(1.75 / 1.3)
+    assert schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0, tree_budget=2).gain == pytest.approx(1.5 / 1.3)
+    # a call without trees reads no tree, even when an earlier call on the drafter left some
+    assert schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0, tree_budget=0) == chain_plan
 
 
 # ------------------------------------------------------------------------------------------------ exact, greedy

@@ -37,6 +37,7 @@ from .proposal import (
     fade_recent,
     next_plain_run,
     slot_confidence,
+    tree_expected,
     update_recent,
 )
 from .stats import DCOCOStats
@@ -48,6 +49,7 @@ from .trees import (
     chain_of,
     draft_trees,
     node_labels,
+    planned_tree,
     tree_scores,
 )
 
@@ -195,7 +197,8 @@ class SpeculationEngine:
             return self._plan.block
         recent = sum(self.recent[row] for row in row_ids) / len(row_ids)
         draftable = sum(self._draftable) / len(self._draftable)
-        self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor, batch=len(row_ids))
+        self._plan = self.schedule.plan_draft(recent, draftable, cap, self.floor, batch=len(row_ids),
+                                              tree_budget=self.tree_budget)
         if may_skip and self._plan.gain < 1.0 and self._plain_since_draft < PROBE_EVERY:
             self.plain_run = self.plain_left = next_plain_run(self._plan.gain, self.plain_run)
             self._plan = None
@@ -321,13 +324,14 @@ class SpeculationEngine:
             confidence, tokens = torch.stack([confidence.double(), proposal.tokens.double()]).tolist()  # [b][S] each
         acceptance = self.schedule.acceptance
         predicted = [acceptance.predict(c, self.recent[row], d) for c, row, d in zip(confidence, row_ids, draftable)]
+        planned = [planned_tree(row_nodes) for row_nodes in nodes] if nodes is not None else None
         expected_trees = None
-        if nodes is not None:
-            expected_trees = [self._tree_expected(row_nodes, self.recent[row], share)
-                              for row_nodes, row, share in zip(nodes, row_ids, draftable)]
+        if planned is not None:
+            expected_trees = [tree_expected(acceptance.predict_nodes(tree.nodes, self.recent[row], share), tree.parents)
+                              for tree, row, share in zip(planned, row_ids, draftable)]
         choice = self.schedule.choose_batch(predicted, cap, self.floor, drafted + 1, trees=expected_trees)
-        for row_confidence in confidence:
-            acceptance.note_drafted(row_confidence)
+        for i, row_confidence in enumerate(confidence):
+            acceptance.note_drafted(row_confidence, planned[i] if planned is not None else None)
         trees = draft_trees(scores, [row[: choice.tree] for row in nodes], device) if choice.tree else None
         if blind:  # the call's first assisted draft precedes the prompt's forward: it has no context to go by
             self._keep(proposal, row_ids, None, None, None, draftable)
@@ -345,18 +349,6 @@ class SpeculationEngine:
         transitions = scores.transitions
         return [best_first(scores.first[i], transitions[i] if transitions is not None else None, scores.marginals[i],
                            self.tree_budget) for i in range(len(scores.first))]
-
-    def _tree_expected(self, nodes: list[TreeNode], recent: float, draftable: float) -> list[float]:
-        """E[committed] of the tree of the first N of `nodes` for N = 0, 1, ...: 1 + the sum of each node's
-        probability of being accepted (its path's predicted acceptances multiplied); the first N nodes of a
-        best-first order hold every one's parent, so each prefix is a tree."""
-        features = [node.features(node.parent < 0 or nodes[node.parent].on_chain) for node in nodes]
-        predicted = self.schedule.acceptance.predict_nodes(features, recent, draftable)
-        reach, expected = [], [1.0]
-        for node, p in zip(nodes, predicted):
-            reach.append(p * (reach[node.parent] if node.parent >= 0 else 1.0))
-            expected.append(expected[-1] + reach[-1])
-        return expected
 
     def _learn_from_trees(
         self,

@@ -19,7 +19,8 @@ Whether to draft at all, and which block B, is decided before each draft, from w
 fewer slots is cheaper (on a CPU a block of 8 costs about twice a block of 2), and the next draft will look like the
 recent ones. So each cycle drafts the B of most expected tokens per second when each of the last drafts' slot
 confidences (`AcceptanceModel.recent_drafts`, re-predicted with the call's acceptance now) is proposed at its own best
-k. Chat, whose drafts rarely survive past the second slot, drafts short blocks; code drafts long ones.
+k, or, in a call that builds draft trees, verified as its tree (`recent_trees`) where that is expected faster. Chat,
+whose drafts rarely survive past the second slot, drafts short blocks; code drafts long ones.
 
 The costs come from `CycleCosts`, timed when the drafter is attached (`block_choice.measure_cycle_costs`): robust to a
 noisy machine (interleaved sizes, repeats, medians, a monotone fit), cached per machine; what they miss is learned
@@ -61,6 +62,7 @@ _LEARNING_RATE = 0.05
 _TYPICAL_DECAY = 0.2  # weight of the newest draft in a slot's typical confidence
 _PLANNED_DRAFTS = 8  # the recent drafts whose confidences forecast the next draft's
 _EPS = 1e-3
+_LOOP_PRIOR_CYCLES = 4  # a block's loop time starts as its fallback's, worth this many cycles
 
 
 def check_schedule(name: str) -> str:
@@ -266,6 +268,25 @@ class NodeFeatures(NamedTuple):
     parent_off_chain: bool
 
 
+class PlannedTree(NamedTuple):
+    """A draft tree as the plan reads it: its nodes' features, best first, and each node's parent (an index into
+    `nodes`, -1: the anchor; a parent comes before its children)."""
+
+    nodes: list[NodeFeatures]
+    parents: list[int]
+
+
+def tree_expected(predicted: Sequence[float], parents: Sequence[int]) -> list[float]:
+    """E[committed] of the tree of the first N nodes for N = 0, 1, ...: 1 + the sum over its nodes of the chance of
+    reaching and accepting each (its path's predicted acceptances multiplied; `predicted[i]` is node i's given its
+    parent's). Every prefix of a best-first order is a tree: it holds each of its nodes' parents."""
+    reach, expected = [], [1.0]
+    for p, parent in zip(predicted, parents):
+        reach.append(p * (reach[parent] if parent >= 0 else 1.0))
+        expected.append(expected[-1] + reach[-1])
+    return expected
+
+
 class AcceptanceModel:
     """p_j = sigmoid(bias_j + w_conf * logit(confidence_j) + w_recent * (logit(recent) - logit(prior_1)) + w_vocab *
     (draftable - 1)), fitted online by logistic SGD on every labelled slot.
@@ -288,6 +309,8 @@ class AcceptanceModel:
         self.observed = 0
         self._typical_logit: list[float | None] = [None] * len(prior)  # per slot, recent drafts' mean confidence
         self.recent_drafts: deque[list[float]] = deque(maxlen=_PLANNED_DRAFTS)  # their slot confidences
+        # their draft trees' nodes and parents (None: a draft without trees), aligned with `recent_drafts`
+        self.recent_trees: deque[PlannedTree | None] = deque(maxlen=_PLANNED_DRAFTS)
 
     @property
     def slots(self) -> int:
@@ -325,10 +348,11 @@ class AcceptanceModel:
         chain = self.bias[min(node.slot, self.slots - 1)] + sum(w * x for w, x in zip(self.weights, features))
         return _sigmoid(chain + sum(w * x for w, x in zip(self.node_weights, extra))), features, extra
 
-    def note_drafted(self, confidence: Sequence[float]) -> None:
+    def note_drafted(self, confidence: Sequence[float], tree: PlannedTree | None = None) -> None:
         """One drafted block's slot confidences, for `typical` (a running mean of their logits per slot) and
-        `recent_drafts`."""
+        `recent_drafts`; with its draft tree (`recent_trees`) when the call builds trees."""
         self.recent_drafts.append(list(confidence[: self.slots]))
+        self.recent_trees.append(tree)
         for slot, c in enumerate(confidence[: self.slots]):
             known = self._typical_logit[slot]
             x = _logit(c)
@@ -480,10 +504,21 @@ class ProposalSchedule:
     def observe_loop(self, seconds: float, block: int | None = None, batch: int = 1, tree: bool = False) -> None:
         """A cycle's wall time less its modelled forwards: the running mean of the rest (never below 0) at this
         batch size, and that of the drafted `block`'s (chain or tree) when the cycle was one draft and its verify
-        (no plain steps in it)."""
+        (no plain steps in it).
+
+        A block's own mean starts from the one it falls back to, worth `_LOOP_PRIOR_CYCLES` cycles, and one cycle
+        counts for at most a plain step more than modelled: a single hiccup (a page fault, the first forward of a
+        new width) would otherwise price an option out, and an option the plan stops choosing is never timed
+        again."""
+        costs = self.costs_at(batch)
+        if costs is not None:
+            seconds = min(seconds, costs.plain)
         keys = [(batch, None, False)] + ([(batch, block, tree)] if block is not None else [])
-        for key in keys:
-            mean, samples = self._loops.get(key, (self.loop_for(key[1], batch, tree), 0))
+        known = [  # read before either mean moves: a new block's prior is the loop as it was before this cycle
+            self._loops.get(key, (self.loop_for(key[1], batch, tree), _LOOP_PRIOR_CYCLES if key[1] is not None else 0))
+            for key in keys
+        ]
+        for key, (mean, samples) in zip(keys, known):
             self._loops[key] = (_running_mean(mean, seconds, samples + 1), samples + 1)
 
     def cycle_seconds(self, block: int, batch: int = 1) -> list[float]:
@@ -540,33 +575,55 @@ class ProposalSchedule:
                 best = ProposalChoice(0, tree_totals[n] / rows, gain, tree=n)
         return best
 
-    def plan_draft(self, recent: float, draftable: float, cap: int, floor: float, batch: int = 1) -> DraftPlan:
+    def plan_draft(
+        self, recent: float, draftable: float, cap: int, floor: float, batch: int = 1, tree_budget: int = 0
+    ) -> DraftPlan:
         """Before a draft: the timed block (at most cap + 1: the anchor and `cap` slots) of most expected tokens per
         second at `batch` rows when each recent draft (`AcceptanceModel.recent_drafts`, slots it did not draft at
         their typical confidence) is predicted with the call's running acceptance `recent` and `draftable` share now
-        and proposed at its own best k; the smaller block on a tie. Without costs: the largest block, gain 1."""
+        and verified the fastest way: its chain at its own best k or, with `tree_budget`, its draft tree
+        (`recent_trees`, the nodes the block holds) at its best size, whichever is expected faster; the smaller
+        block on a tie. Without costs: the largest block, gain 1."""
         acceptance = self.acceptance
         costs = self.costs_at(batch)
         if costs is None:
             return DraftPlan(max(2, min(cap + 1, acceptance.slots + 1)), 1.0)
         typical = acceptance.typical()
-        drafts = acceptance.recent_drafts or [typical]
+        drafts = list(acceptance.recent_drafts) or [typical]
+        trees = list(acceptance.recent_trees) if tree_budget and acceptance.recent_drafts else [None] * len(drafts)
         forecasts = [
             expected_tokens(acceptance.predict([*c, *typical[len(c) :]], recent, draftable), cap, floor)
             for c in drafts
         ]  # [drafts][k + 1]
+        # Per recent tree: each node's slot and its chance of being reached and accepted, re-predicted now.
+        tree_reach = [self._tree_reach(tree, recent, draftable, tree_budget) if tree else [] for tree in trees]
         reach = min(cap, acceptance.slots)
         sizes = [b for b in sorted(costs.draft) if b - 1 <= reach] or [min(costs.draft)]
         best = DraftPlan(sizes[0], -1.0)
         for block in sizes:
             seconds = self.cycle_seconds(block, batch)  # [k]
+            tree_seconds = [self.tree_seconds(block, n, batch) for n in range(1, tree_budget + 1)]  # [N - 1]
             tokens = spent = 0.0
-            for expected in forecasts:
+            for expected, nodes in zip(forecasts, tree_reach):
                 k = fastest_length(expected, seconds)
-                tokens, spent = tokens + expected[k], spent + seconds[k]
+                draft_tokens, draft_seconds = expected[k], seconds[k]
+                in_block = [p for slot, p in nodes if slot < block - 1]  # the nodes a draft of this block holds
+                held = 1.0
+                for n, p in enumerate(in_block[: len(tree_seconds)], start=1):
+                    held += p
+                    if held / tree_seconds[n - 1] > draft_tokens / draft_seconds:
+                        draft_tokens, draft_seconds = held, tree_seconds[n - 1]
+                tokens, spent = tokens + draft_tokens, spent + draft_seconds
             if tokens / spent * seconds[0] > best.gain:
                 best = DraftPlan(block, tokens / spent * seconds[0])
         return best
+
+    def _tree_reach(self, tree: PlannedTree, recent: float, draftable: float, budget: int) -> list[tuple[int, float]]:
+        """Per node of a recent draft tree (its first `budget`), its slot and its predicted chance of being reached
+        and accepted."""
+        predicted = self.acceptance.predict_nodes(tree.nodes[:budget], recent, draftable)
+        expected = tree_expected(predicted, tree.parents[:budget])
+        return [(node.slot, b - a) for node, a, b in zip(tree.nodes, expected, expected[1:])]
 
 
 def fastest_length(expected: Sequence[float], seconds: Sequence[float]) -> int:
@@ -609,7 +666,7 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 __all__ = [
     "AcceptanceModel", "COST_SCHEDULE", "CycleCosts", "DraftPlan", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS",
-    "NodeFeatures", "PROBE_EVERY", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "chain_labels", "chain_prior",
-    "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic", "next_plain_run",
-    "slot_confidence", "update_recent",
+    "NodeFeatures", "PROBE_EVERY", "PlannedTree", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "chain_labels",
+    "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic", "next_plain_run",
+    "slot_confidence", "tree_expected", "update_recent",
 ]

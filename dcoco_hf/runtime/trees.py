@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftProposal
-from .proposal import NodeFeatures
+from .proposal import NodeFeatures, PlannedTree
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,12 @@ def best_first(
     return nodes
 
 
+def planned_tree(nodes: list[TreeNode]) -> PlannedTree:
+    """One row's nodes (best first) as the proposal schedule predicts and remembers them."""
+    features = [node.features(node.parent < 0 or nodes[node.parent].on_chain) for node in nodes]
+    return PlannedTree(features, [node.parent for node in nodes])
+
+
 def draft_trees(scores: TreeScores, nodes: list[list[TreeNode]], device: torch.device) -> DraftTrees:
     """The rows' trees (`best_first`, N nodes each) as the verify forward's block."""
     tokens = [[scores.candidates[i][n.slot][n.candidate] for n in row] for i, row in enumerate(nodes)]
@@ -245,4 +251,4 @@ def node_labels(
     return labelled
 
 __all__ = ["DraftTrees", "TreeNode", "TreeScores", "best_first", "chain_of", "draft_trees", "node_labels", "path_order",
-           "tree_scores"]
+           "planned_tree", "tree_scores"]
