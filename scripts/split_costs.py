@@ -23,8 +23,8 @@ from transformers import AutoModel, AutoModelForCausalLM
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.runtime.tuning import time_batch
 
-ROOT = Path(__file__).resolve().parents[1]
-DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_bench import DEFAULT_DRAFTER  # noqa: E402
 
 
 def split_ratio(costs: dict, batch: int, failing: int, columns: int) -> float:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--batch-sizes {args.batch_sizes}: powers of two from 2 (halves must be timed sizes)")
 
     target = AutoModelForCausalLM.from_pretrained(default_target_path()).eval()
-    drafter = AutoModel.from_pretrained(DRAFTER, trust_remote_code=True).attach(target)
+    drafter = AutoModel.from_pretrained(DEFAULT_DRAFTER, trust_remote_code=True).attach(target)
     tuning = drafter.tuning.summary()
     print(tuning)
     costs = {1: drafter.cycle_costs}

@@ -34,6 +34,7 @@ Lossless whatever k is: the target verifies every proposed token, and k depends 
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -276,15 +277,19 @@ class PlannedTree(NamedTuple):
     parents: list[int]
 
 
-def tree_expected(predicted: Sequence[float], parents: Sequence[int]) -> list[float]:
-    """E[committed] of the tree of the first N nodes for N = 0, 1, ...: 1 + the sum over its nodes of the chance of
-    reaching and accepting each (its path's predicted acceptances multiplied; `predicted[i]` is node i's given its
-    parent's). Every prefix of a best-first order is a tree: it holds each of its nodes' parents."""
-    reach, expected = [], [1.0]
+def tree_reach(predicted: Sequence[float], parents: Sequence[int]) -> list[float]:
+    """Each node's chance of being reached and accepted: its path's predicted acceptances multiplied (`predicted[i]`
+    is node i's given its parent's)."""
+    reach: list[float] = []
     for p, parent in zip(predicted, parents):
         reach.append(p * (reach[parent] if parent >= 0 else 1.0))
-        expected.append(expected[-1] + reach[-1])
-    return expected
+    return reach
+
+
+def tree_expected(predicted: Sequence[float], parents: Sequence[int]) -> list[float]:
+    """E[committed] of the tree of the first N nodes for N = 0, 1, ...: 1 + the sum of its nodes' `tree_reach`.
+    Every prefix of a best-first order is a tree: it holds each of its nodes' parents."""
+    return list(itertools.accumulate(tree_reach(predicted, parents), initial=1.0))
 
 
 class AcceptanceModel:
@@ -529,10 +534,12 @@ class ProposalSchedule:
             costs.cycle(k, block) + self.loop_for(block, batch) for k in range(1, block)
         ]
 
-    def tree_seconds(self, block: int, nodes: int, batch: int = 1) -> float:
-        """The modelled wall time of a cycle drafting `block` and verifying a tree of `nodes` nodes per row."""
+    def tree_seconds(self, block: int, budget: int, batch: int = 1) -> list[float]:
+        """The modelled wall time of a cycle drafting `block` and verifying a tree of N nodes per row, for N = 1 ..
+        `budget` (index N - 1), at `batch` rows."""
         costs = self.costs_at(batch)
-        return costs.draft_seconds(block) + costs.verify_seconds(nodes + 1) + self.loop_for(block, batch, tree=True)
+        fixed = costs.draft_seconds(block) + self.loop_for(block, batch, tree=True)
+        return [fixed + costs.verify_seconds(nodes + 1) for nodes in range(1, budget + 1)]
 
     # ---------------------------------------------------------------------------------------- the choices
 
@@ -569,8 +576,9 @@ class ProposalSchedule:
         plain_rate = rows / seconds[0]
         k = fastest_length(totals, seconds)
         best = ProposalChoice(k, totals[k] / rows, totals[k] / seconds[k] / plain_rate)
+        tree_seconds = self.tree_seconds(block, len(tree_totals) - 1, rows)  # [N - 1]
         for n in range(1, len(tree_totals)):
-            gain = tree_totals[n] / self.tree_seconds(block, n, rows) / plain_rate
+            gain = tree_totals[n] / tree_seconds[n - 1] / plain_rate
             if gain > best.gain:
                 best = ProposalChoice(0, tree_totals[n] / rows, gain, tree=n)
         return best
@@ -596,15 +604,15 @@ class ProposalSchedule:
             for c in drafts
         ]  # [drafts][k + 1]
         # Per recent tree: each node's slot and its chance of being reached and accepted, re-predicted now.
-        tree_reach = [self._tree_reach(tree, recent, draftable, tree_budget) if tree else [] for tree in trees]
+        reached = [self._reached(tree, recent, draftable, tree_budget) if tree else [] for tree in trees]
         reach = min(cap, acceptance.slots)
         sizes = [b for b in sorted(costs.draft) if b - 1 <= reach] or [min(costs.draft)]
         best = DraftPlan(sizes[0], -1.0)
         for block in sizes:
             seconds = self.cycle_seconds(block, batch)  # [k]
-            tree_seconds = [self.tree_seconds(block, n, batch) for n in range(1, tree_budget + 1)]  # [N - 1]
+            tree_seconds = self.tree_seconds(block, tree_budget, batch)  # [N - 1]
             tokens = spent = 0.0
-            for expected, nodes in zip(forecasts, tree_reach):
+            for expected, nodes in zip(forecasts, reached):
                 k = fastest_length(expected, seconds)
                 draft_tokens, draft_seconds = expected[k], seconds[k]
                 in_block = [p for slot, p in nodes if slot < block - 1]  # the nodes a draft of this block holds
@@ -618,12 +626,11 @@ class ProposalSchedule:
                 best = DraftPlan(block, tokens / spent * seconds[0])
         return best
 
-    def _tree_reach(self, tree: PlannedTree, recent: float, draftable: float, budget: int) -> list[tuple[int, float]]:
+    def _reached(self, tree: PlannedTree, recent: float, draftable: float, budget: int) -> list[tuple[int, float]]:
         """Per node of a recent draft tree (its first `budget`), its slot and its predicted chance of being reached
-        and accepted."""
+        and accepted (`tree_reach`)."""
         predicted = self.acceptance.predict_nodes(tree.nodes[:budget], recent, draftable)
-        expected = tree_expected(predicted, tree.parents[:budget])
-        return [(node.slot, b - a) for node, a, b in zip(tree.nodes, expected, expected[1:])]
+        return [(node.slot, p) for node, p in zip(tree.nodes, tree_reach(predicted, tree.parents[:budget]))]
 
 
 def fastest_length(expected: Sequence[float], seconds: Sequence[float]) -> int:
@@ -668,5 +675,5 @@ __all__ = [
     "AcceptanceModel", "COST_SCHEDULE", "CycleCosts", "DraftPlan", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS",
     "NodeFeatures", "PROBE_EVERY", "PlannedTree", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "chain_labels",
     "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic", "next_plain_run",
-    "slot_confidence", "tree_expected", "update_recent",
+    "slot_confidence", "tree_expected", "tree_reach", "update_recent",
 ]
