@@ -5,7 +5,8 @@
 
 Every method is `speculative_generate` on one prompt at a time (the batched loop at batch 1, where trees live) with
 the shipped drafter attached by default `attach`, against plain `generate()`; per prompt the methods run back to
-back in an order rotated per prompt. Methods:
+back in an order rotated per prompt; with `--rounds N` each prompt's methods run N times so (each round in the
+next rotation) and each method's median time on the prompt counts. Methods:
 
 * ``chain``: the cost-aware default with `tree_budget=0` (chains sized per cycle); ``trees``: the cost-aware default
   (plain step, chain or a tree of up to 16 nodes, whichever is expected fastest);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip", type=int, default=0)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="timed runs of each method per prompt (median kept)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--render", default=None, metavar="REPORT.json", help="print the markdown table of a run")
     parser.add_argument("--write", default=None, metavar="DOC.md", help="with --render: replace the table in DOC.md")
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.write:
             replace_between(Path(args.write), table, *table_marks(Path(args.render).stem))
         return {}
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: time each method at least once per prompt (--rounds 1 or more)")
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"command_line": ["python", "scripts/trees_bench.py", *argv], "machine": machine(), "tuning": tuning,
               "verify_over_plain": verify,
               "config": {"command_line": ["python", "scripts/trees_bench.py", *argv], "block_size":
-                         drafter.config.block_size, "max_new_tokens": args.max_new_tokens, "methods": methods},
+                         drafter.config.block_size, "max_new_tokens": args.max_new_tokens, "methods": methods,
+                         "rounds": args.rounds},
               "suites": {}}
     with torch.no_grad():
         warm = chat_inputs(tokenizer, "Say hi.")
@@ -111,16 +117,21 @@ def main(argv: list[str] | None = None) -> dict:
             totals = {m: {"seconds": 0.0, "tokens": 0, "identical": 0, "stats": DCOCOStats()} for m in order_all}
             for index, prompt in enumerate(prompts):
                 inputs = chat_inputs(tokenizer, prompt)
-                outputs = {}
-                for method in order_all[index % len(order_all):] + order_all[: index % len(order_all)]:
-                    out, seconds, stats = run(method, inputs)
-                    outputs[method] = out
-                    total = totals[method]
-                    total["seconds"] += seconds
-                    total["tokens"] += out.shape[1] - inputs["input_ids"].shape[1]
-                    if stats is not None:
-                        total["stats"] = total["stats"].merge(stats)
+                outputs, seconds = {}, {method: [] for method in order_all}
+                for round_ in range(args.rounds):
+                    shift = (index + round_) % len(order_all)
+                    for method in order_all[shift:] + order_all[:shift]:
+                        out, elapsed, stats = run(method, inputs)
+                        seconds[method].append(elapsed)
+                        if stats is not None:  # tau and the tree counts over every round
+                            totals[method]["stats"] = totals[method]["stats"].merge(stats)
+                        if round_ == 0:  # every round makes the same tokens: the first round's count
+                            outputs[method] = out
+                            totals[method]["tokens"] += out.shape[1] - inputs["input_ids"].shape[1]
+                        elif not torch.equal(out, outputs[method]):
+                            raise SystemExit(f"{method} changed its output between rounds on prompt {index + 1}")
                 for method, out in outputs.items():
+                    totals[method]["seconds"] += statistics.median(seconds[method])
                     totals[method]["identical"] += int(torch.equal(out, outputs["plain"]))
                 print(f"[{name} {index + 1}/{len(prompts)}]", file=sys.stderr, flush=True)
             report["suites"][name] = summarise(totals, methods, len(prompts))

@@ -36,6 +36,7 @@ from dcoco_hf.runtime.proposal import (
     chain_prior,
     check_schedule,
     draftable_share,
+    cheapest_cover,
     isotonic,
     next_plain_run,
     slot_confidence,
@@ -68,6 +69,15 @@ def test_cycle_costs_fit_round_trip_and_refuse_other_shapes():
                 {"verify": [float("nan")], "draft": {"2": 1.0}}):
         with pytest.raises((ValueError, TypeError)):
             CycleCosts.from_dict(bad)
+
+
+def test_a_width_costs_the_cheapest_forward_that_covers_it():
+    # 4 columns timed cheaper than 3 (a SIMD-wide tile): 3 is priced as 4, and the plan proposes 3 tokens there.
+    assert cheapest_cover([1.0, 1.2, 1.6, 1.3, 2.0]) == [1.0, 1.2, 1.3, 1.3, 2.0]
+    assert cheapest_cover([1.0, 0.8, 0.9, 1.5]) == [1.0, 1.0, 1.0, 1.5]  # never below a plain step
+    costs = CycleCosts.fit({1: [1.0] * 3, 2: [1.2] * 3, 4: [2.0] * 3, 8: [1.8] * 3, 9: [2.5] * 3}, {2: [0.1] * 3})
+    assert costs.verify == pytest.approx([1.0, 1.2, 1.6, 1.8, 1.8, 1.8, 1.8, 1.8, 2.5])  # 3 interpolated, 4..7 as 8
+    assert CycleCosts.from_dict(costs.to_dict()) == costs
 
 
 def test_chain_prior_follows_block_tau():

@@ -162,7 +162,7 @@ def test_tree_expected_multiplies_acceptance_along_each_path():
 def _bushy_tree(siblings: int, confidence: float) -> PlannedTree:
     """`siblings` children of the anchor at slot 1 (the first on the chain), each as likely as the best."""
     nodes = [NodeFeatures(0, confidence, 1.0, False) for _ in range(siblings)]
-    return PlannedTree(nodes, [-1] * siblings)
+    return PlannedTree.of(nodes, [-1] * siblings)
 
 
 def test_plain_steps_give_way_where_a_tree_pays_and_the_chain_does_not():

@@ -14,8 +14,8 @@ So both factors are measured, each where it is a property of what it measures:
              rather than predicted from the slot acceptance of the longest block: a block's mask slots attend to
              each other, so the slots of a shorter block predict somewhat differently.
     T(B)     one verify forward of B tokens plus one drafted and corrected block, from the cycle costs timed on
-             this machine (`measure_cycle_costs`: every part interleaved with the others, repeated, medians made
-             monotone in the size, so one slow spell does not decide),
+             this machine (`measure_cycle_costs`: every part interleaved with the others, repeated, medians
+             made monotone in the size (`cheapest_cover`), so one slow spell does not decide),
 and `choose_block_size` returns the B of largest tau(B) / T(B). This fixed block is the constant schedule's; the
 default, cost-aware schedule (`proposal.py`) drafts the largest block and sizes each cycle's proposal from the same
 costs. The transformers loop around a cycle costs the same for every B and is left out, which slightly favours
@@ -138,7 +138,7 @@ def measure_cycle_costs(
 
     A noisy machine slows whatever runs during a slow spell, so every size runs once per round, in an order rotated
     from round to round, after one untimed round; the fit takes medians over `repeats` rounds and makes them
-    monotone in the size. Token ids and context states are random: the cost of a forward does not depend on them."""
+    monotone in the size (`CycleCosts.fit`). Token ids and context states are random: the cost of a forward does not depend on them."""
     device = next(target.parameters()).device
     sync = device_sync(device)
     longest = max(max_rows, max(block_sizes))

@@ -327,7 +327,7 @@ class SpeculationEngine:
         planned = [planned_tree(row_nodes) for row_nodes in nodes] if nodes is not None else None
         expected_trees = None
         if planned is not None:
-            expected_trees = [tree_expected(acceptance.predict_nodes(tree.nodes, self.recent[row], share), tree.parents)
+            expected_trees = [tree_expected(acceptance.predict_tree(tree, self.recent[row], share), tree.parents)
                               for tree, row, share in zip(planned, row_ids, draftable)]
         choice = self.schedule.choose_batch(predicted, cap, self.floor, drafted + 1, trees=expected_trees)
         for i, row_confidence in enumerate(confidence):

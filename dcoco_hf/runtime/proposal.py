@@ -92,14 +92,32 @@ def isotonic(values: Sequence[float]) -> list[float]:
     return [mean for mean, weight in blocks for _ in range(int(weight))]
 
 
+def cheapest_cover(seconds: Sequence[float]) -> list[float]:
+    """Verify seconds per width (`seconds[n - 1]`: n columns) as the plan should price them: n columns cost the
+    cheapest forward of at least n, never less than a plain step (`seconds[0]`).
+
+    A wider forward can cost less than a narrower one: CPU GEMM kernels work in SIMD-wide tiles, and on an AVX-512
+    machine 16 columns of SmolLM2-135M took 1.46x a plain step where 12 took 1.65x and 17 1.9x
+    (`scripts/verify_cost.py`). Pricing 12 columns at 16's cost is then right for the plan: at that price it
+    proposes the wider option (more tokens for the same forward), which does cost that. Pooling the dip into its
+    neighbours instead (a least-squares monotone fit) priced every width from 10 to 16 at about 12's cost, and
+    the 16-column tree out."""
+    plain, covers, cheapest = seconds[0], [], math.inf
+    for wider in reversed(seconds[1:]):
+        cheapest = min(cheapest, wider)
+        covers.append(max(plain, cheapest))
+    return [plain, *reversed(covers)]
+
+
 @dataclass
 class CycleCosts:
     """Seconds of the parts of one speculation cycle on one device, for one target and drafter, at one batch size.
 
     verify[n - 1]: a target forward of n columns for each of `batch` rows on a cached context (n = 1 is a plain
     decoding step of the batch); draft[B]: drafting and correcting a block of B for each row; both non-decreasing
-    (a monotone fit of medians; widths timed sparsely are interpolated). spread: the timings' median relative
-    interquartile range (how noisy the machine was while timing).
+    (`cheapest_cover` of the verify medians, a monotone fit of the draft medians; widths timed sparsely are
+    interpolated). spread: the timings' median relative interquartile range (how noisy the machine was while
+    timing).
     """
 
     verify: list[float]
@@ -111,16 +129,17 @@ class CycleCosts:
     def fit(
         cls, verify: Mapping[int, Sequence[float]], draft: Mapping[int, Sequence[float]], batch: int = 1
     ) -> CycleCosts:
-        """From repeated timings per size ({columns: [seconds]}, {block: [seconds]}): medians, made monotone; verify
-        widths between two timed ones are interpolated linearly (1 and the widest must be timed)."""
+        """From repeated timings per size ({columns: [seconds]}, {block: [seconds]}): medians; verify widths between
+        two timed ones are interpolated linearly (1 and the widest must be timed), then each priced as the cheapest
+        forward covering it (`cheapest_cover`); draft medians made monotone."""
         widths = sorted(verify)
         if not widths or widths[0] != 1:
             raise ValueError(f"verify timings must start at 1 column (a plain step), got {widths}")
         blocks = sorted(draft)
         spreads = [_relative_iqr(samples) for samples in [*verify.values(), *draft.values()]]
-        medians = isotonic([statistics.median(verify[n]) for n in widths])
+        medians = [statistics.median(verify[n]) for n in widths]
         return cls(
-            verify=[_interpolate(widths, medians, n) for n in range(1, widths[-1] + 1)],
+            verify=cheapest_cover([_interpolate(widths, medians, n) for n in range(1, widths[-1] + 1)]),
             draft=dict(zip(blocks, isotonic([statistics.median(draft[b]) for b in blocks]))),
             spread=statistics.median(spreads) if spreads else 0.0,
             batch=batch,
@@ -269,12 +288,24 @@ class NodeFeatures(NamedTuple):
     parent_off_chain: bool
 
 
+def node_terms(node: NodeFeatures) -> tuple[int, float, float, float]:
+    """A node's features as the acceptance fit's terms: (slot, logit(confidence), log(sibling share), parent off the
+    chain). They are fixed when the tree is drafted, so a tree computes them once (`PlannedTree.of`) however often
+    the plan re-predicts it."""
+    return node.slot, _logit(node.confidence), math.log(max(node.sibling_share, _EPS)), float(node.parent_off_chain)
+
+
 class PlannedTree(NamedTuple):
-    """A draft tree as the plan reads it: its nodes' features, best first, and each node's parent (an index into
-    `nodes`, -1: the anchor; a parent comes before its children)."""
+    """A draft tree as the plan reads it: its nodes' features, best first, each node's parent (an index into
+    `nodes`, -1: the anchor; a parent comes before its children), and the nodes' `node_terms`."""
 
     nodes: list[NodeFeatures]
     parents: list[int]
+    terms: list[tuple[int, float, float, float]]
+
+    @classmethod
+    def of(cls, nodes: list[NodeFeatures], parents: list[int]) -> PlannedTree:
+        return cls(nodes, parents, [node_terms(node) for node in nodes])
 
 
 def tree_reach(predicted: Sequence[float], parents: Sequence[int]) -> list[float]:
@@ -331,27 +362,37 @@ class AcceptanceModel:
         """Chain acceptance per slot for a block whose slots have these confidences."""
         return [self._p(slot, self._features(c, recent, draftable)) for slot, c in enumerate(confidence[: self.slots])]
 
-    def predict_nodes(self, nodes: Sequence[NodeFeatures], recent: float, draftable: float = 1.0) -> list[float]:
-        """Each tree node's chance of acceptance given its parent's."""
-        return [self._p_node(node, recent, draftable)[0] for node in nodes]
+    def predict_tree(self, tree: PlannedTree, recent: float, draftable: float = 1.0, nodes: int | None = None
+                     ) -> list[float]:
+        """Each of the tree's first `nodes` nodes' chance of acceptance given its parent's (all: None). Runs for every
+        recent tree before every draft, so it reads the nodes' precomputed terms."""
+        call = self._call_term(recent, draftable)
+        return [self._p_terms(terms, call) for terms in (tree.terms if nodes is None else tree.terms[:nodes])]
 
     def observe_nodes(
         self, nodes: Sequence[NodeFeatures], labels: Sequence[bool], recent: float, draftable: float = 1.0
     ) -> None:
         """Tree nodes whose parent was accepted, labelled by whether the target's token there was theirs."""
+        call = self._call_term(recent, draftable)
         for node, label in zip(nodes, labels):
-            p, features, extra = self._p_node(node, recent, draftable)
-            gradient = p - float(label)
-            self.bias[node.slot] -= self.learning_rate * gradient
+            terms = node_terms(node)
+            gradient = self._p_terms(terms, call) - float(label)
+            features = self._features(node.confidence, recent, draftable)
+            self.bias[min(node.slot, self.slots - 1)] -= self.learning_rate * gradient
             self.weights = [w - self.learning_rate * gradient * x for w, x in zip(self.weights, features)]
-            self.node_weights = [w - self.learning_rate * gradient * x for w, x in zip(self.node_weights, extra)]
+            self.node_weights = [w - self.learning_rate * gradient * x for w, x in zip(self.node_weights, terms[2:])]
             self.observed += 1
 
-    def _p_node(self, node: NodeFeatures, recent: float, draftable: float) -> tuple[float, tuple, tuple]:
-        features = self._features(node.confidence, recent, draftable)
-        extra = (math.log(max(node.sibling_share, _EPS)), float(node.parent_off_chain))
-        chain = self.bias[min(node.slot, self.slots - 1)] + sum(w * x for w, x in zip(self.weights, features))
-        return _sigmoid(chain + sum(w * x for w, x in zip(self.node_weights, extra))), features, extra
+    def _call_term(self, recent: float, draftable: float) -> float:
+        """The call-level features' share of every node's logit."""
+        _, w_recent, w_draftable = self.weights
+        return w_recent * (_logit(recent) - _logit(self.prior[0])) + w_draftable * (draftable - 1.0)
+
+    def _p_terms(self, terms: tuple[int, float, float, float], call: float) -> float:
+        slot, confidence, share, off = terms
+        (w_share, w_off), w_confidence = self.node_weights, self.weights[0]
+        return _sigmoid(self.bias[min(slot, self.slots - 1)] + w_confidence * confidence + call + w_share * share
+                        + w_off * off)
 
     def note_drafted(self, confidence: Sequence[float], tree: PlannedTree | None = None) -> None:
         """One drafted block's slot confidences, for `typical` (a running mean of their logits per slot) and
@@ -629,7 +670,7 @@ class ProposalSchedule:
     def _reached(self, tree: PlannedTree, recent: float, draftable: float, budget: int) -> list[tuple[int, float]]:
         """Per node of a recent draft tree (its first `budget`), its slot and its predicted chance of being reached
         and accepted (`tree_reach`)."""
-        predicted = self.acceptance.predict_nodes(tree.nodes[:budget], recent, draftable)
+        predicted = self.acceptance.predict_tree(tree, recent, draftable, nodes=budget)
         return [(node.slot, p) for node, p in zip(tree.nodes, tree_reach(predicted, tree.parents[:budget]))]
 
 
@@ -674,6 +715,6 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 __all__ = [
     "AcceptanceModel", "COST_SCHEDULE", "CycleCosts", "DraftPlan", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS",
     "NodeFeatures", "PROBE_EVERY", "PlannedTree", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "chain_labels",
-    "chain_prior", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic", "next_plain_run",
-    "slot_confidence", "tree_expected", "tree_reach", "update_recent",
+    "chain_prior", "cheapest_cover", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
+    "next_plain_run", "node_terms", "slot_confidence", "tree_expected", "tree_reach", "update_recent",
 ]

@@ -208,7 +208,7 @@ def best_first(
 def planned_tree(nodes: list[TreeNode]) -> PlannedTree:
     """One row's nodes (best first) as the proposal schedule predicts and remembers them."""
     features = [node.features(node.parent < 0 or nodes[node.parent].on_chain) for node in nodes]
-    return PlannedTree(features, [node.parent for node in nodes])
+    return PlannedTree.of(features, [node.parent for node in nodes])
 
 
 def draft_trees(scores: TreeScores, nodes: list[list[TreeNode]], device: torch.device) -> DraftTrees:

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 VERIFY_REFERENCE_ROWS = 8
 
 # Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 
 
 @dataclass
