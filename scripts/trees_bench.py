@@ -5,8 +5,9 @@
 
 Every method is `speculative_generate` on one prompt at a time (the batched loop at batch 1, where trees live) with
 the shipped drafter attached by default `attach`, against plain `generate()`; per prompt the methods run back to
-back in an order rotated per prompt; with `--rounds N` each prompt's methods run N times so (each round in the
-next rotation) and each method's median time on the prompt counts. Methods:
+back in an order rotated per prompt, each method with its own copy of the cost schedule's learned state (what a
+fixed 32-node tree's cycles teach must not steer the cost-sized default); with `--rounds N` each prompt's methods
+run N times so (each round in the next rotation) and each method's median time on the prompt counts. Methods:
 
 * ``chain``: the cost-aware default with `tree_budget=0` (chains sized per cycle); ``trees``: the cost-aware default
   (plain step, chain or a tree of up to 16 nodes, whichever is expected fastest);
@@ -23,6 +24,7 @@ chain) and on the chain; and the share of cycles that verified a tree. The tunin
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     tuning = drafter.tuning.summary()
     print(tuning)
     generation = drafter.generation_config
+    learned = {method: copy.deepcopy(drafter.proposal_schedule) for method in METHODS}
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     def run(method: str, inputs: dict) -> tuple[torch.LongTensor, float, DCOCOStats | None]:
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
             return out, time.perf_counter() - start, None
         schedule, budget, correct = METHODS[method]
         generation.num_assistant_tokens_schedule = schedule
+        drafter.proposal_schedule = learned[method]
         result = speculative_generate(target, inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                       drafter=drafter, correct=correct, tree_budget=budget, **settings)
         return result.sequences, time.perf_counter() - start, sum(result.stats, DCOCOStats())
@@ -172,7 +176,7 @@ def print_suite(name: str, suite: dict, methods: list[str]) -> None:
 
 
 SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "mixed-heldout": "held-out chat + code"}
-VERIFY_COLUMNS = (2, 4, 5, 9, 17)  # the widths the caption reports: a chain's, small trees', the largest tree's
+VERIFY_COLUMNS = (2, 4, 5, 8, 9, 12, 16, 17)  # the widths the caption reports: chains, small trees, the largest tree
 REPORTS = ("trees", "trees_default")  # docs/results/NAME.json, each rendered into docs/trees.md
 
 
@@ -187,8 +191,9 @@ def markdown_table(report: dict) -> str:
     the share of cycles that verified a tree, and the best child's hit rate after an accepted sibling and on the
     chain, as the corrector ranks a node's children (walk) and as the slot's marginals do."""
     verify = report.get("verify_over_plain")
-    timed = (" Timed verify of N columns over a plain step: " + ", ".join(
-        f"{n}: {ratio:.2f}x" for n, ratio in verify.items()) + ".") if verify else ""
+    priced = ", ".join(f"{n}: {ratio:.2f}x" for n, ratio in verify.items()) if verify else ""
+    timed = (" Verify of N columns as the plan prices it (the cheapest timed forward of N or more), over a plain "
+             f"step: {priced}.") if verify else ""
     lines = [f"`{' '.join(report['command_line'])}` on {report['machine']}; tuning line of the run: "
              f"{tuning_line(report['tuning'])}.{timed}", "",
              "| prompts | method | tau | speedup over plain | over the chain | tree cycles | after a sibling: walk / "

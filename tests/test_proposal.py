@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
+from copy import deepcopy
 
 import numpy as np
 import pytest
@@ -356,6 +357,15 @@ def test_the_acceptance_fit_is_kept_across_calls(fitted):
         seen = drafter.proposal_schedule.acceptance.observed
         _greedy_cases(target, drafter, range(52, 54))
         assert seen > 0 and drafter.proposal_schedule.acceptance.observed > seen
+        # A schedule assigned for a while (a copy per setting) learns in place of the drafter's own.
+        own, kept = drafter.proposal_schedule, deepcopy(drafter.proposal_schedule)
+        drafter.proposal_schedule = kept
+        _greedy_cases(target, drafter, range(54, 56))
+        assert kept.acceptance.observed > own.acceptance.observed
+        drafter.proposal_schedule = own
+        assert drafter.proposal_schedule is own
+    with pytest.raises(TypeError, match="ProposalSchedule"):
+        drafter.proposal_schedule = {"costs": None}
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS), ids=list(SETTINGS))

@@ -154,6 +154,26 @@ def test_the_schedule_verifies_a_tree_where_verify_is_cheap_and_the_chain_where_
     assert steep_choice.gain >= chain_only.gain and steep_choice.tree < 16
 
 
+def test_trees_that_commit_less_than_forecast_give_way_to_the_chain():
+    """The plan discounts a tree's forecast by what tree cycles committed of theirs, measured against the chain's
+    own record: trees that keep falling short stop being chosen; a record as good as the chain's changes nothing."""
+    acceptance = AcceptanceModel([0.5] * 7)
+    chain = [[0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3]]
+    tree = [[1.0 + 0.35 * n for n in range(17)]]
+    schedule = ProposalSchedule(CycleCosts(verify=[1.0] * 17, draft={8: 0.1}), acceptance)
+    assert schedule.tree_yield() == 1.0 and schedule.choose_batch(chain, 7, 0.0, 8, trees=tree).tree == 16
+    for _ in range(50):  # chains commit what they forecast, trees as often as the chains
+        schedule.observe_yield(3.0, 3.0, tree=False)
+        schedule.observe_yield(4.0, 4.0, tree=True)
+    assert schedule.tree_yield() == pytest.approx(1.0)
+    assert schedule.choose_batch(chain, 7, 0.0, 8, trees=tree).tree == 16
+    for _ in range(300):  # then trees commit none of their forecast drafted tokens
+        schedule.observe_yield(4.0, 1.0, tree=True)
+    assert schedule.tree_yield() < 0.2
+    choice = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree)
+    assert choice.tree == 0 and choice.k > 0
+
+
 def test_tree_expected_multiplies_acceptance_along_each_path():
     # anchor -> node 0 (0.5) -> node 2 (0.4); anchor -> node 1 (0.2): E = 1 + 0.5 + 0.2 + 0.5 * 0.4
     assert tree_expected([0.5, 0.2, 0.4], [-1, -1, 0]) == pytest.approx([1.0, 1.5, 1.7, 1.9])

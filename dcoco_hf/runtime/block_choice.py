@@ -138,7 +138,8 @@ def measure_cycle_costs(
 
     A noisy machine slows whatever runs during a slow spell, so every size runs once per round, in an order rotated
     from round to round, after one untimed round; the fit takes medians over `repeats` rounds and makes them
-    monotone in the size (`CycleCosts.fit`). Token ids and context states are random: the cost of a forward does not depend on them."""
+    monotone in the size (`CycleCosts.fit`). Token ids and context states are random: the cost of a forward does not
+    depend on them."""
     device = next(target.parameters()).device
     sync = device_sync(device)
     longest = max(max_rows, max(block_sizes))

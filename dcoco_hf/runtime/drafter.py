@@ -223,6 +223,14 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             schedule = self._schedule = ProposalSchedule(costs, AcceptanceModel(prior), timed)
         return schedule
 
+    @proposal_schedule.setter
+    def proposal_schedule(self, schedule: ProposalSchedule) -> None:
+        """Use `schedule`'s costs and learned state from the next call on (e.g. a copy kept per setting, so that
+        what one setting's cycles teach does not steer another's)."""
+        if not isinstance(schedule, ProposalSchedule):
+            raise TypeError(f"proposal_schedule must be a ProposalSchedule, got {type(schedule).__name__}")
+        self._schedule = schedule
+
     @property
     def cycle_costs(self) -> CycleCosts | None:
         return self.proposal_schedule.costs

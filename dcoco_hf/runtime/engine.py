@@ -146,6 +146,7 @@ class SpeculationEngine:
         self._drafted: list[list[_DraftedBlock]] = [[] for _ in range(rows)]  # every block, for candidate coverage
         self._proposal: DraftProposal | None = None  # the cycle's draft, until verified
         self._trees: tuple[DraftTrees, TreeScores] | None = None  # the cycle's draft trees and scores, until verified
+        self._forecast: tuple[float, bool] | None = None  # the cycle's expected tokens per row, and whether a tree
         self._plan: DraftPlan | None = None  # the cycle's block, and whether drafting is expected to pay
         self._draftable: list[float] = []  # the active rows' draftable shares when the block was planned
         walk = walk_name(selection or drafter.decoding.selection)
@@ -227,6 +228,9 @@ class SpeculationEngine:
         on the host."""
         proposal, self._proposal = self._proposal, None
         trees, self._trees = self._trees, None
+        forecast, self._forecast = self._forecast, None
+        if forecast is not None and self.schedule is not None:
+            self.schedule.observe_yield(forecast[0], sum(map(len, committed)) / len(committed), forecast[1])
         if trees is not None:
             self._learn_from_trees(*trees, row_ids, path, accepted, path_tokens)
             trees = trees[0]
@@ -342,6 +346,8 @@ class SpeculationEngine:
             self.plain_run = self.plain_left = next_plain_run(gain, self.plain_run)
         if trees is not None:
             self._trees = (trees, scores)
+        if not blind:
+            self._forecast = (choice.expected, trees is not None)
         return choice.k, trees
 
     def _tree_nodes(self, scores: TreeScores) -> list[list[TreeNode]]:
