@@ -581,7 +581,7 @@ class ProposalSchedule:
 
         A tree's nodes are predicted by the chain's fit plus two node features learned from fewer labels, and the
         plan takes a tree when the best of its sizes beats the chain: the larger forecast error wins the comparison
-        more often (on a 2-core CPU, trees chosen on forecast alone ran 0.92x the chain on MT-Bench). Measured
+        more often (on a 2-core CPU, trees chosen on forecast alone ran slower than the chain). Measured
         against the chain's own yield, so only the trees' extra optimism counts; each starts at 1, worth
         `_YIELD_PRIOR_TOKENS` predicted tokens."""
         def ratio(tree: bool) -> float:
