@@ -13,7 +13,12 @@ run N times so (each round in the next rotation) and each method's median time o
   (plain step, chain or a tree of up to 16 nodes, whichever is expected fastest);
 * ``chain-constant``: the whole block every cycle; ``tree-N``: the `N`-node tree every cycle (the constant schedule
   with a budget: the tau comparisons);
-* ``dflash-tree-16``: the same drafter without its corrector, trees of the slots' marginals (DDTree's).
+* ``dflash-tree-16``: the same drafter without its corrector, trees of the slots' marginals (DDTree's);
+* ``chain-flat``, ``trees-flat``: ``chain`` and ``trees`` planned with every verify width priced as a plain step
+  (the regime of a memory-bound GPU forward, which reads the target's weights once whatever its width; drafts keep
+  this machine's timed prices, and the prices stay fixed: the cycles' wall times on this CPU do not re-price them).
+  Their tau and tree share show what the cost-sized default chooses where wide verifies are free; their speed is
+  this CPU's and is no GPU figure.
 
 tau is committed tokens per target forward, counted. After each accepted tree node with a next slot drafted, the
 run counts whether the target's next token was the node's best child as the corrector ranks that node's children
@@ -36,6 +41,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf import DCOCOStats, speculative_generate
 from dcoco_hf.assets import default_target_path
+from dcoco_hf.runtime.proposal import CycleCosts, ProposalSchedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_bench import DEFAULT_DRAFTER, chat_inputs, load_suite, machine  # noqa: E402
@@ -51,7 +57,10 @@ METHODS = {
     "tree-16": ("constant", 16, True),
     "tree-32": ("constant", 32, True),
     "dflash-tree-16": ("constant", 16, False),
+    "chain-flat": ("cost", 0, True),
+    "trees-flat": ("cost", 16, True),
 }
+FLAT_VERIFY = ("chain-flat", "trees-flat")  # planned with every verify width at a plain step's price
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(tuning)
     generation = drafter.generation_config
     learned = {method: copy.deepcopy(drafter.proposal_schedule) for method in METHODS}
+    for method in FLAT_VERIFY:
+        flat_verify(learned[method])
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     def run(method: str, inputs: dict) -> tuple[torch.LongTensor, float, DCOCOStats | None]:
@@ -146,18 +157,31 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def flat_verify(schedule: ProposalSchedule) -> None:
+    """Price every verify width (up to 33 columns) as this machine's plain step, drafts as timed, for one row, and
+    keep those prices: the loop residual is not learned (this CPU's wide forwards would teach their own cost)."""
+    costs = schedule.costs
+    schedule.costs = CycleCosts(verify=[costs.plain] * max(costs.max_rows, 33), draft=dict(costs.draft))
+    schedule.per_batch = False
+    schedule.observe_loop = lambda *args, **kwargs: None
+
+
 def summarise(totals: dict, methods: list[str], prompts: int) -> dict:
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
-    chain = totals.get("chain")
-    chain_rate = chain["tokens"] / chain["seconds"] if chain else None
+    rates = {method: total["tokens"] / total["seconds"] for method, total in totals.items()}
     suite = {}
     for method in methods:
         total, stats = totals[method], totals[method]["stats"]
-        rate = total["tokens"] / total["seconds"]
+        rate = rates[method]
+        chain = "chain-flat" if method in FLAT_VERIFY else "chain"  # the same drafter's chain, priced alike
+        chain_rate = rates.get(chain)
+        chain_tau = totals[chain]["stats"].tau if chain in totals else None
         suite[method] = {
             "tree_budget": METHODS[method][1], "schedule": METHODS[method][0], "corrector": METHODS[method][2],
+            "flat_verify": method in FLAT_VERIFY,
             "prompts": prompts, "tau": stats.tau, "tokens_per_s": rate, "speedup": rate / plain_rate,
-            "over_chain": rate / chain_rate if chain_rate else None, "identical": total["identical"],
+            "over_chain": rate / chain_rate if chain_rate else None,
+            "tau_over_chain": stats.tau / chain_tau if chain_tau else None, "identical": total["identical"],
             "tree_share": stats.tree_cycles / stats.cycles if stats.cycles else 0.0,
             "plain_steps": stats.proposal_lengths[0] if stats.proposal_lengths else 0,
             **stats.next_after_accepted(),
@@ -166,12 +190,13 @@ def summarise(totals: dict, methods: list[str], prompts: int) -> dict:
 
 
 def print_suite(name: str, suite: dict, methods: list[str]) -> None:
-    print(f"{name}: method | tau | speedup over plain | over the chain | tree share | after a sibling: walk / "
-          "marginals (nodes) | on the chain: walk / marginals (nodes) | identical")
+    print(f"{name}: method | tau (over the chain) | speedup over plain | over the chain | tree share | "
+          "after a sibling: walk / marginals (nodes) | on the chain: walk / marginals (nodes) | identical")
     for method in methods:
         r = suite[method]
         over = f"{r['over_chain']:.2f}x" if r["over_chain"] else "-"
-        print(f"  {method} | {r['tau']:.2f} | {r['speedup']:.2f}x | {over} | {r['tree_share']:.0%} | "
+        tau_over = f"{r['tau_over_chain']:.2f}x" if r["tau_over_chain"] else "-"
+        print(f"  {method} | {r['tau']:.2f} ({tau_over}) | {r['speedup']:.2f}x | {over} | {r['tree_share']:.0%} | "
               f"{_hits(r, 'after_sibling')} | {_hits(r, 'after_chain')} | {r['identical']}/{r['prompts']}")
 
 
@@ -194,14 +219,20 @@ def markdown_table(report: dict) -> str:
     priced = ", ".join(f"{n}: {ratio:.2f}x" for n, ratio in verify.items()) if verify else ""
     timed = (" Verify of N columns as the plan prices it (the cheapest timed forward of N or more), over a plain "
              f"step: {priced}.") if verify else ""
+    flat_note = (" The -flat methods plan with every verify width priced as a plain step (a GPU's regime; tau and "
+                 "tree cycles are what such a plan chooses, compared with the chain planned alike; their speed is "
+                 "this CPU's)." if any(m in FLAT_VERIFY for m in report["config"]["methods"]) else "")
     lines = [f"`{' '.join(report['command_line'])}` on {report['machine']}; tuning line of the run: "
-             f"{tuning_line(report['tuning'])}.{timed}", "",
-             "| prompts | method | tau | speedup over plain | over the chain | tree cycles | after a sibling: walk / "
-             "marginals (nodes) | on the chain: walk / marginals (nodes) | identical |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{tuning_line(report['tuning'])}.{timed}{flat_note}", "",
+             "| prompts | method | tau | tau over the chain | speedup over plain | speed over the chain | "
+             "tree cycles | after a sibling: walk / marginals (nodes) | on the chain: walk / marginals (nodes) | "
+             "identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for suite, methods in report["suites"].items():
         for method, r in methods.items():
+            tau_over = r.get("tau_over_chain")
             cells = [f"{SUITE_NAMES.get(suite, suite)}, {r['prompts']}", method, f"{r['tau']:.2f}",
+                     f"{tau_over:.2f}x" if tau_over else "-",
                      f"{r['speedup']:.2f}x", f"{r['over_chain']:.2f}x" if r["over_chain"] else "-",
                      f"{r['tree_share']:.0%}", _hits(r, "after_sibling"), _hits(r, "after_chain"),
                      f"{r['identical']}/{r['prompts']}"]

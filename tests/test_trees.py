@@ -36,6 +36,7 @@ from dcoco_hf.runtime.proposal import (
     CycleCosts,
     NodeFeatures,
     PlannedTree,
+    TREE_MARGIN,
     ProposalSchedule,
     tree_expected,
 )
@@ -172,6 +173,43 @@ def test_trees_that_commit_less_than_forecast_give_way_to_the_chain():
     assert schedule.tree_yield() < 0.2
     choice = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree)
     assert choice.tree == 0 and choice.k > 0
+
+
+def test_a_dearer_tree_replaces_the_chain_only_when_clearly_ahead():
+    """A tree that costs more than the chain and is forecast a few percent ahead of it is not taken (the best of many
+    tree sizes' forecasts runs high); one ahead by more than `TREE_MARGIN` is; and where a tree costs what the chain
+    does (flat verify), any forecast advantage takes it."""
+    acceptance = AcceptanceModel([0.5] * 7)
+    chain = [[0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3]]
+    # 8 columns (the whole block's chain) cost 1, every wider forward 1.5
+    steep = ProposalSchedule(CycleCosts(verify=[1.0] * 8 + [1.5] * 9, draft={8: 0.1}), acceptance)
+    flat = ProposalSchedule(CycleCosts(verify=[1.0] * 17, draft={8: 0.1}), acceptance)
+    for schedule in (steep, flat):
+        chain_only = schedule.choose_batch(chain, 7, 0.0, 8)
+        assert chain_only.k == 7
+
+        def tree_ahead(factor: float) -> list[list[float]]:  # 16 nodes: `factor` times the chain's gain at 17 columns
+            cost = schedule.tree_seconds(8, 16)[-1] / schedule.cycle_seconds(8)[7]
+            total = chain_only.expected * factor * cost
+            return [[1.0] * 8 + [1.0 + (total - 1.0) * n / 16 for n in range(8, 17)]]  # only the 16-node tree pays
+
+        slightly = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree_ahead(0.5 + TREE_MARGIN / 2))
+        assert slightly.tree == (16 if schedule is flat else 0)
+        ahead = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree_ahead(TREE_MARGIN + 0.05))
+        assert ahead.tree == 16 and ahead.gain == pytest.approx(chain_only.gain * (TREE_MARGIN + 0.05))
+
+
+def test_nodes_off_the_chain_teach_only_the_node_terms():
+    """A verified tree's siblings (and their children) move only the sibling-share and off-chain weights; its chain
+    nodes teach the chain's fit like a chain's slots, so trees leave the chain's forecast as chain cycles set it."""
+    acceptance = AcceptanceModel([0.5] * 7)
+    bias, weights = list(acceptance.bias), list(acceptance.weights)
+    sibling, under_sibling = NodeFeatures(0, 0.2, 0.3, False), NodeFeatures(1, 0.6, 1.0, True)
+    acceptance.observe_nodes([sibling, under_sibling], [False, False], recent=0.7)
+    assert acceptance.bias == bias and acceptance.weights == weights
+    assert acceptance.node_weights[0] > 1.0 and acceptance.node_weights[1] < 0.0  # log(share) < 0, label False
+    acceptance.observe_nodes([NodeFeatures(0, 0.9, 1.0, False)], [True], recent=0.7)
+    assert acceptance.bias[0] > bias[0] and acceptance.bias[1:] == bias[1:]
 
 
 def test_tree_expected_multiplies_acceptance_along_each_path():

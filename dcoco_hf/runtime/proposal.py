@@ -65,6 +65,13 @@ _PLANNED_DRAFTS = 8  # the recent drafts whose confidences forecast the next dra
 _EPS = 1e-3
 _LOOP_PRIOR_CYCLES = 4  # a block's loop time starts as its fallback's, worth this many cycles
 _YIELD_PRIOR_TOKENS = 8.0  # the tree yield starts at 1, worth this many predicted drafted tokens
+# A tree that costs more than the chain replaces it only when expected this much faster. The plan compares the best
+# of up to `tree_budget` tree sizes, each forecast with error, against one chain forecast: the maximum of many noisy
+# forecasts runs high (the winner's curse), so a dearer tree that merely ties the chain on forecast runs slower than
+# it. A tree no dearer than the chain (where verify columns are nearly free, as on a GPU, or one as wide as the
+# chain) needs only to be expected to commit more; on a CPU whose wide forwards cost more, cycles stay on the chain
+# unless a wider tree is clearly ahead.
+TREE_MARGIN = 1.1
 
 
 def check_schedule(name: str) -> str:
@@ -373,15 +380,22 @@ class AcceptanceModel:
     def observe_nodes(
         self, nodes: Sequence[NodeFeatures], labels: Sequence[bool], recent: float, draftable: float = 1.0
     ) -> None:
-        """Tree nodes whose parent was accepted, labelled by whether the target's token there was theirs."""
+        """Tree nodes whose parent was accepted, labelled by whether the target's token there was theirs.
+
+        A node on the chain (both node terms zero) teaches the chain's fit as a chain slot would; a node off it
+        teaches only the node terms, so however many siblings a call verifies, the chain's own forecast (and with
+        it the choice between drafting and plain steps) stays what chain cycles taught."""
         call = self._call_term(recent, draftable)
         for node, label in zip(nodes, labels):
             terms = node_terms(node)
             gradient = self._p_terms(terms, call) - float(label)
-            features = self._features(node.confidence, recent, draftable)
-            self.bias[min(node.slot, self.slots - 1)] -= self.learning_rate * gradient
-            self.weights = [w - self.learning_rate * gradient * x for w, x in zip(self.weights, features)]
-            self.node_weights = [w - self.learning_rate * gradient * x for w, x in zip(self.node_weights, terms[2:])]
+            if terms[2] == 0.0 and terms[3] == 0.0:
+                features = self._features(node.confidence, recent, draftable)
+                self.bias[min(node.slot, self.slots - 1)] -= self.learning_rate * gradient
+                self.weights = [w - self.learning_rate * gradient * x for w, x in zip(self.weights, features)]
+            else:
+                self.node_weights = [w - self.learning_rate * gradient * x
+                                     for w, x in zip(self.node_weights, terms[2:])]
             self.observed += 1
 
     def _call_term(self, recent: float, draftable: float) -> float:
@@ -622,8 +636,9 @@ class ProposalSchedule:
     ) -> ProposalChoice:
         """`choose` for the rows of a batch, which share one verify forward: the chain's k (k + 1 columns) or, with
         `trees` (per row, the expected tokens of its draft tree of N nodes for N = 0, 1, ...), the tree size N (N + 1
-        columns) of most expected tokens, summed over the rows, per second at this batch size; `expected` and
-        `gain` are per row. Without costs: every slot (or the whole tree)."""
+        columns) of most expected tokens, summed over the rows, per second at this batch size (a tree dearer than the
+        chain only when clearly ahead: `takes_tree`); `expected` and `gain` are per row. Without costs: every slot (or
+        the whole tree)."""
         per_row = [expected_tokens(row, cap, floor) for row in predicted]
         width = max((len(expected) for expected in per_row), default=1)  # a row's proposals end where it is cut
         totals = [sum(expected[min(k, len(expected) - 1)] for expected in per_row) for k in range(width)]
@@ -641,11 +656,11 @@ class ProposalSchedule:
         k = fastest_length(totals, seconds)
         best = ProposalChoice(k, totals[k] / rows, totals[k] / seconds[k] / plain_rate)
         tree_seconds = self.tree_seconds(block, len(tree_totals) - 1, rows)  # [N - 1]
-        trust = self.tree_yield()
+        trust, chain_gain, chain_seconds = self.tree_yield(), best.gain, seconds[k]
         for n in range(1, len(tree_totals)):
             expected = rows + trust * (tree_totals[n] - rows)  # each row's certain token, and its drafted ones
             gain = expected / tree_seconds[n - 1] / plain_rate
-            if gain > best.gain:
+            if takes_tree(gain, tree_seconds[n - 1], best.gain, chain_gain, chain_seconds):
                 best = ProposalChoice(0, tree_totals[n] / rows, gain, tree=n)
         return best
 
@@ -682,11 +697,13 @@ class ProposalSchedule:
             for expected, nodes in zip(forecasts, reached):
                 k = fastest_length(expected, seconds)
                 draft_tokens, draft_seconds = expected[k], seconds[k]
+                chain_rate, chain_seconds = draft_tokens / draft_seconds, draft_seconds
                 in_block = [p for slot, p in nodes if slot < block - 1]  # the nodes a draft of this block holds
                 held = 1.0
                 for n, p in enumerate(in_block[: len(tree_seconds)], start=1):
                     held += trust * p
-                    if held / tree_seconds[n - 1] > draft_tokens / draft_seconds:
+                    rate = held / tree_seconds[n - 1]
+                    if takes_tree(rate, tree_seconds[n - 1], draft_tokens / draft_seconds, chain_rate, chain_seconds):
                         draft_tokens, draft_seconds = held, tree_seconds[n - 1]
                 tokens, spent = tokens + draft_tokens, spent + draft_seconds
             if tokens / spent * seconds[0] > best.gain:
@@ -698,6 +715,13 @@ class ProposalSchedule:
         and accepted (`tree_reach`)."""
         predicted = self.acceptance.predict_tree(tree, recent, draftable, nodes=budget)
         return [(node.slot, p) for node, p in zip(tree.nodes, tree_reach(predicted, tree.parents[:budget]))]
+
+
+def takes_tree(rate: float, seconds: float, best_rate: float, chain_rate: float, chain_seconds: float) -> bool:
+    """Whether a tree expected to commit `rate` tokens per second in a cycle of `seconds` replaces the best option so
+    far (`best_rate`), given the chain's best (`chain_rate`, in cycles of `chain_seconds`): a tree dearer than the
+    chain must also be expected `TREE_MARGIN` times as fast as it (rates may be gains over a plain step's)."""
+    return rate > best_rate and (seconds <= chain_seconds or rate > TREE_MARGIN * chain_rate)
 
 
 def fastest_length(expected: Sequence[float], seconds: Sequence[float]) -> int:
@@ -740,7 +764,8 @@ def fade_recent(recent: float, prior: float, steps: int = 1) -> float:
 
 __all__ = [
     "AcceptanceModel", "COST_SCHEDULE", "CycleCosts", "DraftPlan", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS",
-    "NodeFeatures", "PROBE_EVERY", "PlannedTree", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "chain_labels",
-    "chain_prior", "cheapest_cover", "check_schedule", "draftable_share", "expected_tokens", "fade_recent", "isotonic",
-    "next_plain_run", "node_terms", "slot_confidence", "tree_expected", "tree_reach", "update_recent",
+    "NodeFeatures", "PROBE_EVERY", "PlannedTree", "ProposalChoice", "ProposalSchedule", "SCHEDULES", "TREE_MARGIN",
+    "chain_labels", "chain_prior", "cheapest_cover", "check_schedule", "draftable_share", "expected_tokens",
+    "fade_recent", "isotonic", "next_plain_run", "node_terms", "slot_confidence", "takes_tree", "tree_expected",
+    "tree_reach", "update_recent",
 ]
