@@ -382,14 +382,15 @@ class AcceptanceModel:
     ) -> None:
         """Tree nodes whose parent was accepted, labelled by whether the target's token there was theirs.
 
-        A node on the chain (both node terms zero) teaches the chain's fit as a chain slot would; a node off it
-        teaches only the node terms, so however many siblings a call verifies, the chain's own forecast (and with
-        it the choice between drafting and plain steps) stays what chain cycles taught."""
+        A node on the chain (its parent's best child, its parent on the chain: both node terms zero) teaches the
+        chain's fit as a chain slot would; a node off it teaches only the node terms, so however many siblings a
+        call verifies, the chain's own forecast (and with it the choice between drafting and plain steps) stays what
+        chain cycles taught."""
         call = self._call_term(recent, draftable)
         for node, label in zip(nodes, labels):
             terms = node_terms(node)
             gradient = self._p_terms(terms, call) - float(label)
-            if terms[2] == 0.0 and terms[3] == 0.0:
+            if node.sibling_share >= 1.0 and not node.parent_off_chain:
                 features = self._features(node.confidence, recent, draftable)
                 self.bias[min(node.slot, self.slots - 1)] -= self.learning_rate * gradient
                 self.weights = [w - self.learning_rate * gradient * x for w, x in zip(self.weights, features)]
