@@ -279,3 +279,58 @@ def test_export_never_writes_over_a_folder_the_source_reads(tmp_path, qwen3_fitt
     assert {path.name: path.read_bytes() for path in base.iterdir()} == saved
     DCOCODrafter.from_pretrained(base)
     assert cli.main(["export", "--overwrite", str(head), str(tmp_path / "elsewhere")]) == 0
+
+
+def _limit_file_size(limit: int):
+    """For a child process: files may grow to `limit` bytes, and writing past that is an error (EFBIG) instead of
+    the SIGXFSZ that would kill it: a disk that fills mid-export, without filling a disk."""
+    import resource
+    import signal
+
+    def limit_writes() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_writes
+
+
+def test_export_past_a_write_limit_leaves_nothing_and_the_same_command_then_succeeds(tmp_path, qwen3_fitted):
+    """A write that fails mid-export (here: weights larger than the file-size limit) is one line of error, leaves no
+    half-written folder (nor a staging folder beside it), and the same command then works without --overwrite."""
+    source = tmp_path / "drafter"
+    DCOCODrafter.from_target(qwen3_fitted[0], num_hidden_layers=1, block_size=4, top_k=4).save_pretrained(source)
+    out = tmp_path / "exports" / "out"
+    command = [sys.executable, "-m", "dcoco_hf", "export", "--format", "vllm", str(source), str(out)]
+    full = subprocess.run(command, check=False, capture_output=True, text=True, cwd=REPO,
+                          preexec_fn=_limit_file_size(4096))
+    assert full.returncode == 1, full.stderr
+    assert "Traceback" not in full.stderr  # above the error: the loading log and progress bars only
+    assert full.stderr.strip().splitlines()[-1].startswith(f"dcoco-hf export: error: could not write the export to "
+                                                          f"{out}: ")
+    assert not (tmp_path / "exports").exists()  # the folder it made for the export went too
+    result = subprocess.run(command, check=False, capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert [p.name for p in out.parent.iterdir()] == ["out"]
+
+
+def test_export_over_an_existing_folder_replaces_only_its_files(tmp_path, qwen3_fitted):
+    _, drafter = qwen3_fitted
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    (out / "config.json").write_text("{}")
+    export_dflash(drafter, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "kept" and json.loads((out / "config.json").read_text())["block_size"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+
+
+def test_export_of_a_missing_folder_says_so(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "dcoco_hf", "export", str(tmp_path / "nowhere"), str(tmp_path / "out")],
+        check=False, capture_output=True, text=True, cwd=REPO,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"dcoco-hf export: error: DRAFTER {tmp_path / 'nowhere'}: no such folder (give a " \
+        "local model folder or a Hub id like org/name)"
+    assert not (tmp_path / "out").exists()

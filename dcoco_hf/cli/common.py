@@ -138,14 +138,19 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads {args.threads}: need at least 1")
     for option, value in (("--target", args.target), ("--drafter", getattr(args, "drafter", None))):
-        if value and _looks_like_path(value) and not Path(value).expanduser().exists():
-            raise CLIError(f"{option} {value}: no such folder (give a local model folder or a Hub id like org/name)")
-        if value and Path(value).expanduser().is_dir() and not (Path(value).expanduser() / "config.json").is_file():
-            raise CLIError(f"{option} {value}: this folder holds no config.json, so it is not a saved model (give "
-                           "the folder save_pretrained() wrote, or a Hub id like org/name)")
+        check_model_path(option, value)
     # Output paths are checked now, not after a run of hours: the results would be lost.
     _check_output_path("--json", getattr(args, "json", None), folder=False)
     _check_output_path("--plots", getattr(args, "plots", None), folder=True)
+
+
+def check_model_path(option: str, value: str | None) -> None:
+    """A model given as `value` is a Hub id, or a local folder that exists and holds a config.json."""
+    if value and _looks_like_path(value) and not Path(value).expanduser().exists():
+        raise CLIError(f"{option} {value}: no such folder (give a local model folder or a Hub id like org/name)")
+    if value and Path(value).expanduser().is_dir() and not (Path(value).expanduser() / "config.json").is_file():
+        raise CLIError(f"{option} {value}: this folder holds no config.json, so it is not a saved model (give "
+                       "the folder save_pretrained() wrote, or a Hub id like org/name)")
 
 
 def _check_output_path(option: str, value: str | None, folder: bool) -> None:

@@ -57,7 +57,7 @@ from .common import (
 )
 from ..runtime.cpu_linear import few_rows_plan
 from ..runtime.hf_compat import attention_implementation
-from ..serving.export import add_export_parser
+from .export import add_export_parser
 from .plots import require_matplotlib
 from ..runtime.precision import describe_quantization
 from ..runtime.stats import DCOCOStats

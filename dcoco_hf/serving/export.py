@@ -42,17 +42,18 @@ serves it with `speculative_config={"method": "dflash", "model": OUT, "num_specu
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..runtime.block_choice import check_block_size
 from .block_corrector import check_servable
-from ..cli.common import CLIError, default_drafter_path, load_drafter, load_target
 from ..network.configuration_dcoco import CONFIG_FIELDS, DECODING_FIELDS, DCOCOConfig
 from ..network.correctors import corrector_class
 from ..runtime.drafter import DCOCODrafter, check_compatible, resolve_base
@@ -106,11 +107,40 @@ def export_dflash(
         config["draft_vocab_size"] = int(drafter.draft_token_ids.numel())
     elif drafter.bound_target is not None:
         check_compatible(drafter.config, drafter.target)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "README.md").write_text(dflash_card(drafter, config, sorted(tensors), source))
+    return write_folder(out, config, tensors, dflash_card(drafter, config, sorted(tensors), source))
+
+
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md")
+
+
+def write_folder(out: Path, config: dict, tensors: dict[str, torch.Tensor], card: str) -> Path:
+    """Write an export's three files into a fresh folder beside `out`, then move them into place, so a write that
+    fails (a full disk, a quota) leaves no half-written export: `out` is as it was, and the same call can be
+    repeated. `out` is created whole by one rename; into an existing folder (`overwrite`) each file is replaced by
+    one rename. A failed write raises OSError naming the folder."""
+    missing = next((p for p in reversed(out.absolute().parents) if not p.exists()), None)  # removed on failure
+    staging = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (staging / "README.md").write_text(card)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if not out.exists():
+            staging.rename(out)
+            return out
+        for name in EXPORT_FILES:
+            (staging / name).replace(out / name)
+    except (OSError, SafetensorError) as error:  # safetensors reports its write errors as its own type
+        if missing is not None:
+            shutil.rmtree(missing, ignore_errors=True)
+        raise OSError(f"could not write the export to {out}: {error}") from error
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
@@ -284,12 +314,7 @@ def export_vllm(
     config["dcoco_config"] = {"model": dcoco_fields(drafter.config), "decoding": decoding_fields(drafter)}
     if drafter.bound_target is not None:
         check_compatible(drafter.config, drafter.target)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "README.md").write_text(vllm_card(drafter, config, source))
-    return out
+    return write_folder(out, config, tensors, vllm_card(drafter, config, source))
 
 
 def export_dflash2(
@@ -320,12 +345,7 @@ def export_dflash2(
     config["dflash_config"].update(dflash2_fields(drafter.config))
     if drafter.bound_target is not None:
         check_compatible(drafter.config, drafter.target)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "README.md").write_text(dflash2_card(drafter, config, source))
-    return out
+    return write_folder(out, config, tensors, dflash2_card(drafter, config, source))
 
 
 def dflash2_fields(config: DCOCOConfig) -> dict:
@@ -442,80 +462,7 @@ block's pick is the corrected path. Outputs are the target's own (vLLM verifies 
 """
 
 
-def add_export_parser(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Register `dcoco-hf export` on the CLI's subcommands."""
-    export = commands.add_parser(
-        "export", parents=[common],
-        help="write the drafter for a serving engine (dflash: the backbone in the z-lab format vLLM and SGLang serve; "
-        "vllm: backbone and corrector, for vLLM with the dcoco-hf plugin; dflash2: backbone and DFlash2 candidate "
-        "selector in the public DFlash2 format)",
-        description="Writes the drafter as config.json, model.safetensors and README.md. --format dflash: its DFlash "
-        "backbone in the public z-lab format; the DCOCO corrector is dropped (vLLM and SGLang serve plain DFlash). "
-        "--format vllm: backbone and corrector (DCOCO or DFlash2 selector), served by vLLM's dflash method through "
-        "this package's plugin "
-        "(pip install \"dcoco-hf[vllm]\"; docs/serving.md). --format dflash2: a drafter with a DFlash2 candidate "
-        "selector (corrector_type dflash2) in the public DFlash2 format, served by vLLM's V2 model runner "
-        "(docs/selector.md).",
-    )
-    export.add_argument("paths", nargs="+", metavar="[DRAFTER] OUT",
-                        help="the drafter folder (optional: else --drafter, else the shipped one), "
-                        "then the output folder")
-    export.add_argument("--format", choices=FORMATS, default="dflash", help="export format (default dflash)")
-    export.add_argument("--block-size", type=int, default=None,
-                        help="block size the engines draft (default: the drafter's config block_size)")
-    export.add_argument("--draft-vocab", action="store_true",
-                        help="dflash: write the drafter's draft vocabulary (d2t + its lm_head rows; loads the target) "
-                        "instead of the full vocabulary (vllm always keeps it, as token ids)")
-    export.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty output folder (never into the drafter's own folder or its "
-                        "base drafter)")
-    export.add_argument("--export-dtype", choices=sorted(DTYPES), default=None,
-                        help="weight dtype of the export (default: the drafter's)")
-    export.set_defaults(handler=cmd_export)
-
-
-def export_paths(args: argparse.Namespace) -> tuple[str, str]:
-    """(drafter, output folder) from `[DRAFTER] OUT` and --drafter; refuses two drafters or extra paths."""
-    if len(args.paths) > 2:
-        raise CLIError(f"export takes [DRAFTER] OUT, got {len(args.paths)} paths: {args.paths}.")
-    if len(args.paths) == 2 and args.drafter:
-        raise CLIError("Two drafters given (--drafter and the DRAFTER argument); pass one.")
-    source = args.paths[0] if len(args.paths) == 2 else args.drafter or str(default_drafter_path())
-    return source, args.paths[-1]
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    source, out_dir = export_paths(args)
-    if args.format != "dflash" and args.draft_vocab:
-        raise CLIError(f"--draft-vocab belongs to --format dflash: the {args.format} format keeps its own vocabulary.")
-    drafter = load_drafter(source, torch.device("cpu"), None, "sdpa")  # None: the dtype the checkpoint was saved in
-    dtype = DTYPES.get(args.export_dtype)
-    try:
-        check_export_folder(Path(out_dir), source, args.overwrite)  # before loading a target for nothing
-        target = None  # held here: the drafter keeps only a weak reference to its target
-        if args.draft_vocab:  # the export carries the target lm_head's draft rows; no tuning needed for that
-            target = load_target(args.target, torch.device("cpu"), torch.float32, "sdpa")[0]
-            drafter.attach(target, tune=False)
-        if args.format == "dflash2":
-            out = export_dflash2(drafter, out_dir, block_size=args.block_size, dtype=dtype, source=source,
-                                 overwrite=args.overwrite)
-        elif args.format == "vllm":
-            out = export_vllm(drafter, out_dir, block_size=args.block_size, dtype=dtype, source=source,
-                              overwrite=args.overwrite)
-        else:
-            out = export_dflash(drafter, out_dir, block_size=args.block_size, draft_vocab=args.draft_vocab,
-                                dtype=dtype, source=source, overwrite=args.overwrite)
-    except ValueError as error:
-        raise CLIError(str(error)) from None
-    except OSError as error:  # e.g. a read-only output folder
-        raise CLIError(f"could not write the export to {out_dir}: {error}") from None
-    what = {"vllm": f"the drafter (backbone and {CORRECTOR_NAMES.get(drafter.config.corrector_type, 'corrector')}, "
-                    "for vLLM with the dcoco-hf plugin)",
-            "dflash2": "the DFlash2 drafter (backbone and candidate selector, public DFlash2 format)"}.get(
-                args.format, "the DFlash backbone")
-    dropped = "" if args.format != "dflash" else "corrector dropped; "
-    print(f"wrote {what} of {source} to {out} ({dropped}see {out / 'README.md'})")
-    return 0
-
-
-__all__ = ["add_export_parser", "export_dflash", "export_dflash2", "export_vllm"]
+__all__ = [
+    "CORRECTOR_NAMES", "DTYPES", "FORMATS", "check_export_folder", "export_dflash", "export_dflash2", "export_vllm",
+    "write_folder",
+]
