@@ -244,3 +244,23 @@ def test_a_deep_copy_of_a_laid_out_drafter_drafts_like_the_original(layout):
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
     assert target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=copied).tolist() == \
         expected.tolist()
+
+
+@pytest.mark.parametrize("layout", FAST_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_cast_after_its_plan_computes_with_f_linear(layout, dtype):
+    """`target.to(dtype)` after the layouts were set (as a default attach does) keeps every forward working and
+    bit-identical to the same model never laid out: prefills of 2..17 rows included (MKL's packed GEMM is fp32 only)."""
+    model = make_target("llama")
+    reference = copy.deepcopy(model).to(dtype)
+    use_few_rows_linear(model, max_rows=17, layout=layout)
+    model.to(dtype)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    for rows in (2, 6, 17):
+        ids = torch.randint(0, model.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+        got, expected = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+        assert got.sequences.tolist() == expected.sequences.tolist()
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits))
+    model.to(torch.float32)  # and back: the plan applies again, packed copies re-made for the new weight
+    ids = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 8)

@@ -78,11 +78,14 @@ class FewRowsLinear(nn.Linear):
     """
 
     few_rows_plan: tuple[str, ...] = ()
+    few_rows_dtype: torch.dtype = torch.float32  # the weight dtype the plan was made (and timed) for
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         layout = self.few_rows_plan[rows] if 1 < rows < len(self.few_rows_plan) else "gemm"
-        if layout == "gemm" or x.device.type != "cpu":
+        # A model cast or moved after its plan was made (`target.half()`, `.to("cuda")`) computes with F.linear: the
+        # packed GEMM is fp32-only, and the plan's timings belong to the old dtype and device.
+        if layout == "gemm" or x.device.type != "cpu" or self.weight.dtype != self.few_rows_dtype:
             return F.linear(x, self.weight, self.bias)
         # Row-major rows in, row-major rows out: a column-major x (an earlier layer's transposed product) would make
         # x^T contiguous, which sends sgemm down a path 3x slower than F.linear. The copies are a few KB.
@@ -210,6 +213,7 @@ def _set_plan(layers: list[nn.Linear], plan: Mapping[int, str]) -> None:
     for layer in layers:
         layer.__class__ = FewRowsLinear
         layer.few_rows_plan = tuple(table)
+        layer.few_rows_dtype = layer.weight.dtype
 
 
 @torch.no_grad()
@@ -228,7 +232,8 @@ def tune_few_rows_layout(model: nn.Module, rows: Iterable[int], repeats: int = 4
     if not layers:
         return {r: "gemm" for r in rows}
     layouts = [name for name in available_layouts() if name != "packed" or _packed_fits(layers)]
-    before = [(layer, layer.__class__, layer.__dict__.get("few_rows_plan")) for layer in layers]
+    before = [(layer, layer.__class__, layer.__dict__.get("few_rows_plan"), layer.__dict__.get("few_rows_dtype"))
+              for layer in layers]
     dtype = layers[0].weight.dtype
     inputs = {r: {n: torch.randn(r, n, dtype=dtype) for n in {m.in_features for m in layers}} for r in rows}
     best: dict[tuple[int, str], float] = {}
@@ -241,12 +246,12 @@ def tune_few_rows_layout(model: nn.Module, rows: Iterable[int], repeats: int = 4
                     layer(inputs[r][layer.in_features])
                 if attempt:  # the first round only warms up (and packs)
                     best[r, name] = min(best.get((r, name), float("inf")), time.perf_counter() - start)
-    for layer, cls, plan in before:
+    for layer, cls, plan, dtype in before:
         layer.__class__ = cls
-        layer.__dict__.pop("_packed", None)
-        layer.__dict__.pop("few_rows_plan", None)
+        for name in ("_packed", "few_rows_plan", "few_rows_dtype"):
+            layer.__dict__.pop(name, None)
         if plan is not None:
-            layer.few_rows_plan = plan
+            layer.few_rows_plan, layer.few_rows_dtype = plan, dtype
     return {r: min(layouts, key=lambda name: best[r, name]) for r in rows}
 
 
@@ -256,8 +261,8 @@ def restore_linear(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is FewRowsLinear:
             module.__class__ = nn.Linear
-            module.__dict__.pop("few_rows_plan", None)
-            module.__dict__.pop("_packed", None)  # MKL's packed copy of the weight
+            for name in ("few_rows_plan", "few_rows_dtype", "_packed"):  # _packed: MKL's packed copy of the weight
+                module.__dict__.pop(name, None)
             restored += 1
     return restored
 
