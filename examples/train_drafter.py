@@ -24,7 +24,8 @@ from transformers import (
 )
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.assets import chat_input_ids, default_target_path
+from dcoco_hf.assets import default_target_path
+from dcoco_hf.runtime.prompts import chat_input_ids
 from dcoco_hf.training import measure_tau
 from dcoco_hf.training.data import load_shards, regenerate, stdlib_code_prompts
 from dcoco_hf.training.trainer import (

@@ -15,7 +15,8 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.assets import default_target_path, eos_token_ids
+from dcoco_hf.assets import default_target_path
+from dcoco_hf.runtime.prompts import eos_token_ids
 from dcoco_hf.training.data import draft_vocabulary, load_shards
 
 

@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dcoco_hf import DCOCODrafter, speculative_generate
-from dcoco_hf.assets import left_pad
+from dcoco_hf.runtime.prompts import left_pad
 
 QWEN3_8B = dict(
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

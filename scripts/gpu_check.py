@@ -55,7 +55,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package of this checkout, also where it is not pip-installed
 from dcoco_hf import DCOCODrafter, speculative_generate  # noqa: E402
-from dcoco_hf.assets import left_pad  # noqa: E402
+from dcoco_hf.runtime.prompts import left_pad  # noqa: E402
 from dcoco_hf.runtime.block_choice import set_block_size  # noqa: E402
 from dcoco_hf.runtime.device import device_sync  # noqa: E402
 from dcoco_hf.runtime.hf_compat import ASSISTED_STATIC_CACHE, assisted_static_cache  # noqa: E402

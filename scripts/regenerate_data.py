@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dcoco_hf.assets import load_default_target
+from dcoco_hf.assets import humaneval_prompts, load_default_target
 from dcoco_hf.training.data import (
     regenerate,
     self_instruct_exercises,
@@ -70,7 +70,9 @@ def main() -> None:
     else:
         chat = self_instruct_prompts(target, tokenizer, args.chat, seed=args.seed) if args.chat else []
         exercises = (
-            self_instruct_exercises(target, tokenizer, args.exercises, seed=args.seed, exclude=excluded)
+            self_instruct_exercises(
+                target, tokenizer, args.exercises, seed=args.seed, exclude=[*humaneval_prompts(), *excluded]
+            )
             if args.exercises
             else []
         )

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.assets import chat_input_ids
+from dcoco_hf.runtime.prompts import chat_input_ids
 from dcoco_hf.training.data import load_shards
 from dcoco_hf.training.retarget import lora_config_for_drafter, measure_tau
 from dcoco_hf.training.trainer import (

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.assets import chat_input_ids, load_default_target, suite_prompts
+from dcoco_hf.assets import load_default_target, suite_prompts
+from dcoco_hf.runtime.prompts import chat_input_ids
 from dcoco_hf.runtime.context_cache import DraftContextCache
 from dcoco_hf.training import target_context
 

@@ -24,7 +24,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dcoco_hf import DCOCODrafter
-from dcoco_hf.assets import chat_input_ids, load_default_target, suite_prompts
+from dcoco_hf.assets import load_default_target, suite_prompts
+from dcoco_hf.runtime.prompts import chat_input_ids
 from dcoco_hf.cli.bench import check_block_size
 from dcoco_hf.training import drafter_loss, target_context
 from dcoco_hf.training.data import load_shards

@@ -121,7 +121,8 @@ def prompt_ids(args: argparse.Namespace, target: str) -> tuple[list[list[int]], 
     """Chat-templated token ids of the held-out and HumanEval prompts, and where each came from."""
     from transformers import AutoTokenizer
 
-    from dcoco_hf.assets import chat_input_ids, humaneval_prompts, load_prompts_file
+    from dcoco_hf.assets import humaneval_prompts, load_prompts_file
+    from dcoco_hf.runtime.prompts import chat_input_ids
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = [("mixed-heldout", p) for p in load_prompts_file(HELDOUT)[:args.heldout]]

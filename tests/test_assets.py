@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dcoco_hf import assets
+from dcoco_hf.runtime.prompts import chat_input_ids
 
 
 def _write_lines(path: Path, lines: list[str]) -> Path:
@@ -92,7 +93,7 @@ def test_real_assets() -> None:
     assert tokenizer.eos_token == "<|im_end|>"
     assert model.generation_config.eos_token_id == im_end
 
-    ids = assets.chat_input_ids(tokenizer, "What is 2+2?")
+    ids = chat_input_ids(tokenizer, "What is 2+2?")
     assert ids.dtype == torch.long and ids.dim() == 2 and ids.shape[0] == 1
     text = tokenizer.decode(ids[0])
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text

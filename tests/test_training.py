@@ -372,6 +372,7 @@ def test_exercise_prompt_keeps_signature_and_docstring_and_drops_the_body():
 
 
 def test_self_instruct_exercises_drop_humaneval_names_and_repeats(monkeypatch):
+    """The HumanEval prompts come in `exclude` (the caller fetches them: training downloads nothing)."""
     from dcoco_hf.training import data
 
     replies = iter([
@@ -389,7 +390,8 @@ def test_self_instruct_exercises_drop_humaneval_names_and_repeats(monkeypatch):
         return [next(replies) for _ in asks]
 
     monkeypatch.setattr(data, "_sampled_replies", sampled)
-    prompts = data.self_instruct_exercises(None, None, count=2, batch_size=2)
+    humaneval = data.HUMANEVAL_TEMPLATE.format(prompt='def is_prime(n):\n    """Return true if n is prime."""\n')
+    prompts = data.self_instruct_exercises(None, None, count=2, batch_size=2, exclude=[humaneval])
     assert [p.split("\n")[2] for p in prompts] == ["def area(r):", "def shout(text):"]
     assert len(asked) == 6 and all(any(topic in a for topic in data.EXERCISE_TOPICS) for a in asked)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..assets import eos_token_ids, left_pad, padding_id
+from ..runtime.prompts import eos_token_ids, left_pad, padding_id
 from .common import (
     CLIError,
     add_prompt_arguments,

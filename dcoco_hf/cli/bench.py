@@ -37,7 +37,7 @@ import torch
 from transformers import PreTrainedModel, StaticCache
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..assets import chat_input_ids
+from ..runtime.prompts import chat_input_ids
 from ..runtime.block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
 from ..runtime.device import device_sync
 from ..runtime.hf_compat import cache_kwargs, require_assisted_static_cache

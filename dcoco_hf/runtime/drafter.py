@@ -32,7 +32,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..network.configuration_dcoco import DECODING_FIELDS, DCOCOConfig, DecodingChoices
 from ..network.lilicorr import save_public
-from ..network.modeling_dcoco import HUB_KEYWORDS, DCOCODraftModel, read_tensors, resolve_base
+from ..network.modeling_dcoco import HUB_KEYWORDS, DCOCODraftModel, read_tensors, register_runtime, resolve_base
 from .candidate_generator import assisted_cycle
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .drafting import DraftInputs, DraftProposal, Walk, block_of, draft, whole_draft
@@ -66,6 +66,7 @@ class DCOCOGenerationConfig(GenerationConfig):
         return generation_config
 
 
+@register_runtime  # a Hub folder's copy of the network hands its loading over to this class
 class DCOCODrafter(DCOCODraftModel, GenerationMixin):
     """DFlash backbone + corrector, bound to a target. Build with `DCOCODrafter(config)`,
     `DCOCODrafter.from_target(target)` or `from_pretrained(folder)`; bind to its target with `attach(target)`; use as

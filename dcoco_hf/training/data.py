@@ -38,14 +38,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import (
-    HUMANEVAL_TEMPLATE,
-    chat_input_ids,
-    eos_token_ids,
-    humaneval_prompts,
-    left_pad,
-    padding_id,
-)
+from ..runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",
@@ -257,18 +250,21 @@ def self_instruct_exercises(
     seed: int = 0,
     batch_size: int = 32,
     max_asks: int | None = None,
-    exclude: Iterable[str] = (),
+    *,
+    exclude: Iterable[str],
 ) -> list[str]:
     """Up to `count` "complete the function" prompts for programming exercises the target writes itself.
 
     The target is asked (sampled, T=0.8) for the signature and docstring of a short function about a topic from
-    EXERCISE_TOPICS; `exercise_prompt` turns the first function of each reply into a prompt. Functions with a
-    HumanEval function's name (its `is_prime`, say) are dropped, so the suite stays held out even in spirit, and
-    so are repeated names, also against the prompts in `exclude` (an earlier folder's: a second folder then adds
-    new functions, not new docstrings for old ones). Asks go on in batches until `count` prompts are found or
-    `max_asks` (default 3 x count) asks are spent.
+    EXERCISE_TOPICS; `exercise_prompt` turns the first function of each reply into a prompt. Functions named as one
+    of the prompts in `exclude` are dropped, and so are repeated names. `exclude` has no default because it is what
+    keeps the evaluation held out: pass the HumanEval prompts (`dcoco_hf.assets.humaneval_prompts()`, fetched by the
+    caller so that training never downloads), so a HumanEval function's name (its `is_prime`, say) is never asked
+    for even in spirit, plus an earlier folder's prompts (a second folder then adds new functions, not new
+    docstrings for old ones). Asks go on in batches until `count` prompts are found or `max_asks` (default
+    3 x count) asks are spent.
     """
-    held_out = {m for p in [*humaneval_prompts(), *exclude] for m in re.findall(r"def (\w+)\(", p)}
+    held_out = {m for p in exclude for m in re.findall(r"def (\w+)\(", p)}
     rng = random.Random(seed)
     torch.manual_seed(seed)
     prompts: dict[str, str] = {}  # function name -> prompt

@@ -11,8 +11,9 @@ This file is the network only, and the network is what a Hub folder carries, wit
 comes in (complete, head-only naming a `base_drafter`, public DFlash exports with `d2t`, public LiLiCorr). The runtime
 (`attach`, the target tap, `generate(assistant_model=...)`, tuning) is the dcoco-hf package's `DCOCODrafter`, a
 subclass of `DCOCODraftModel`: a folder's own copy of this class hands its loading over to it wherever the package is
-installed, imported or not (`installed_runtime`). The drafter borrows the target's embedding and lm_head (frozen,
-never saved) once bound to it (`bind_target`). Weight names follow the public DFlash checkpoints (`fc`,
+installed, imported or not (`installed_runtime`). The network never names the runtime: the runtime registers its
+drafter class here (`register_runtime`) when it is imported. The drafter borrows the target's embedding and lm_head
+(frozen, never saved) once bound to it (`bind_target`). Weight names follow the public DFlash checkpoints (`fc`,
 `hidden_norm`, `layers.{i}...`, `norm`).
 """
 
@@ -676,12 +677,26 @@ HUB_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "proxies", "t
 _FOREIGN_KEY = re.compile(r"^(model\.)?(d2t|t2d|lm_head\.weight|embed_tokens\.weight)$")
 
 
+# The runtime's drafter class for each model type, filled by the runtime as it is imported (`register_runtime`), so
+# that the network layer depends on no runtime module while a folder's copy of the network still finds the runtime.
+RUNTIMES: dict[str, type] = {}
+
+
+def register_runtime(drafter_class: type) -> type:
+    """Record `drafter_class` (the runtime's subclass of this network) as what a Hub folder's copy of the network
+    hands its loading over to; a class decorator, so the registration cannot drift from the class."""
+    RUNTIMES[drafter_class.config_class.model_type] = drafter_class
+    return drafter_class
+
+
 def installed_runtime(network_class: type) -> type | None:
-    """The installed dcoco-hf package's `DCOCODrafter` when `network_class` is a Hub folder's own copy of the
-    network (a `transformers_modules` class) and the package is installed, else None."""
+    """The installed dcoco-hf package's runtime drafter class when `network_class` is a Hub folder's own copy of the
+    network (a `transformers_modules` class) and the package is installed, else None. The copy reads the registry of
+    the package's own network module: importing that imports the package first, whose runtime registers itself."""
     if network_class.__module__.partition(".")[0] == "dcoco_hf" or importlib.util.find_spec("dcoco_hf") is None:
         return None
-    return importlib.import_module("dcoco_hf").DCOCODrafter  # installed but broken: its import error says why
+    package_network = importlib.import_module("dcoco_hf.network.modeling_dcoco")  # broken: its import error says why
+    return package_network.RUNTIMES[network_class.config_class.model_type]
 
 
 def resolve_base(source: str | os.PathLike, base: str) -> str:
@@ -737,4 +752,4 @@ def unreadable_weights(
 
 
 __all__ = ["Correction", "DCOCODraftModel", "DCOCOPreTrainedModel", "DraftOutput", "SlotCandidates",
-           "installed_runtime", "read_tensors", "resolve_base"]
+           "RUNTIMES", "installed_runtime", "read_tensors", "register_runtime", "resolve_base"]
