@@ -16,32 +16,19 @@ From a recipe file (recipes/*.yaml: keys are this script's long options; flags g
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-import yaml
-from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import AutoModelForCausalLM
 
-from dcoco_hf import CorpusBigrams, DCOCODrafter
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.runtime.block_choice import set_block_size
-from dcoco_hf.network.configuration_dcoco import DCOCOConfig
+from dcoco_hf.cli.common import parse_with_recipe, recipe_argv
 from dcoco_hf.network.correctors import CORRECTOR_TYPES
-from dcoco_hf.training.data import cache_target_features, load_shards
 from dcoco_hf.training.losses import PAIR_LOSSES, SLOT_WEIGHTINGS
-from dcoco_hf.training.trainer import (
-    DrafterCollator,
-    DrafterTrainer,
-    DrafterTrainingModel,
-)
+from dcoco_hf.training.stages import NEW_DRAFTER, StageOptions, train_stage
 
-NEW_DRAFTER = {"layers": 1, "block_size": 16, "target_layers_read": 5, "top_k": 16}
+__all__ = ["build_parser", "main", "parse_args", "recipe_argv"]  # recipe_argv: what a recipe file stands for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,40 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def recipe_argv(parser: argparse.ArgumentParser, path: Path) -> list[str]:
-    """The command-line tokens a recipe file stands for: `key: value` -> `--key value`, lists -> several values,
-    `true` -> the bare flag (`false` leaves it off). Keys must be this script's long options."""
-    try:
-        recipe = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as error:
-        parser.error(f"--recipe {path}: cannot read it as YAML ({error})")
-    if not isinstance(recipe, dict):
-        parser.error(f"--recipe {path}: expected `option: value` lines, got a {type(recipe).__name__}")
-    options = {a.option_strings[-1][2:]: a for a in parser._actions if a.option_strings and a.dest != "help"}
-    unknown = sorted(str(k) for k in recipe if str(k).replace("_", "-") not in options or k == "recipe")
-    if unknown:
-        parser.error(f"--recipe {path}: unknown option(s) {unknown}; keys are this script's long options without "
-                     f"the dashes ({', '.join(sorted(o for o in options if o != 'recipe'))})")
-    argv = []
-    for key, value in recipe.items():
-        flag = "--" + str(key).replace("_", "-")
-        if isinstance(options[flag[2:]], argparse._StoreTrueAction):
-            if not isinstance(value, bool):
-                parser.error(f"--recipe {path}: {key} is a switch; write `{key}: true` or `{key}: false`")
-            argv += [flag] if value else []
-        else:
-            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
-    return argv
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line; with --recipe FILE, the file's options come first, so flags given here override."""
     p = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)  # reads --recipe alone: the required options may be in the file
-    pre.add_argument("--recipe", type=Path, default=None)
-    recipe = pre.parse_known_args(argv)[0].recipe
-    args = p.parse_args((recipe_argv(p, recipe) if recipe else []) + argv)
+    args = parse_with_recipe(p, sys.argv[1:] if argv is None else argv)
     given = [name for name in NEW_DRAFTER if getattr(args, name) is not None] + (
         ["init_from_target"] if args.init_from_target else []
     )
@@ -196,134 +153,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    target_path = args.target or default_target_path()
-    target = AutoModelForCausalLM.from_pretrained(target_path).eval().requires_grad_(False)
-    if args.init:
-        added = {"context_bigrams": True} if args.context_bigrams else {}  # its zero-started weights are missing
-        added.update(corrector_switch(args))
-        drafter = DCOCODrafter.from_pretrained(args.init, **added).attach(target)
-        drafter.config.correct_first_slot |= args.correct_first_slot
-        if args.draft_block_size is not None:
-            try:
-                set_block_size(drafter, args.draft_block_size)
-            except ValueError as error:
-                raise SystemExit(f"--draft-block-size: {error}") from None
-        if args.corrector_hidden is not None:
-            drafter.corrector = drafter.corrector.widened(args.corrector_hidden)
-            drafter.config.corrector_hidden = args.corrector_hidden
-    elif args.stage == 2:
-        raise SystemExit("--stage 2 starts from a stage-1 drafter: pass --init runs/stage1/final")
-    else:
-        drafter = DCOCODrafter.from_target(
-            target, num_hidden_layers=args.layers, block_size=args.block_size, top_k=args.top_k,
-            num_target_layers_read=args.target_layers_read, init_from_target=args.init_from_target,
-            corrector_type=args.corrector or "dcoco",
-        )
-    loaded = {}  # each folder once; a folder named n times in --data is read n times per epoch
-    for folder in dict.fromkeys(args.data):
-        source = folder
-        if args.features is not None:
-            source = cache_target_features(target, drafter.config.target_layer_ids, folder, args.features / folder.name)
-        loaded[folder] = load_shards(source)
-        last = loaded[folder][-1]
-        if "context_states" in last and last["context_states"].shape[-1] != drafter.fc.in_features:
-            raise SystemExit(f"{source} holds features of other target layers; use a fresh --features folder")
-    records = [record for folder in args.data for record in loaded[folder]]
-    if args.corpus_bigrams:  # counted once per folder: the counts are the corpus's, not the reading schedule's
-        drafter.set_corpus_bigrams(CorpusBigrams.count(
-            ((r["input_ids"], r["loss_mask"]) for folder_records in loaded.values() for r in folder_records),
-            target.config.vocab_size,
-        ))
-
-    training_args = TrainingArguments(
-        output_dir=str(args.output), per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
-        warmup_steps=0.04, max_grad_norm=1.0, num_train_epochs=args.epochs, max_steps=args.max_steps,
-        weight_decay=0.0, logging_steps=10, save_steps=args.save_steps, save_total_limit=2, bf16=args.bf16,
-        report_to=[], remove_unused_columns=False, dataloader_num_workers=0, seed=args.seed,
-        disable_tqdm=False,
-        # Without an accelerator, say so: transformers otherwise leaves the processes of `accelerate launch
-        # --num_processes N` on CPU unwrapped (no DDP), and each trains its own weights.
-        use_cpu=not torch.accelerator.is_available(),
-    )
-    model = DrafterTrainingModel(
-        drafter, target, stage=args.stage, num_anchors=args.num_anchors, corrector_only=args.corrector_only,
-        block_sizes=args.block_sizes, pair_loss=args.pair_loss, slot_weighting=args.slot_weighting,
-        evidence_only=args.evidence_only,
-    )
-    pad = target.generation_config.pad_token_id or 0
-    trainer = DrafterTrainer(
-        model=model, args=training_args, train_dataset=records,
-        data_collator=DrafterCollator(pad_token_id=pad, max_length=args.max_length),
-        callbacks=[TimeBudget(args.max_minutes)] if args.max_minutes else None,
-    )
-    start = time.time()
-    last = get_last_checkpoint(str(args.output)) if args.output.exists() else None
-    trainer.train(resume_from_checkpoint=last)
-    trainer.export_drafter(args.output / "final")
-    cfg = drafter.config  # with --init, the architecture comes from that folder, not from the arguments
-    summary = {"stage": args.stage, "wall_seconds": time.time() - start, "records": len(records),
-               "training_block_sizes": list(model.block_sizes),
-               "drafter": {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_hidden_layers,
-                           "top_k": cfg.top_k, "target_layer_ids": cfg.target_layer_ids,
-                           "correct_first_slot": cfg.correct_first_slot, "context_bigrams": cfg.context_bigrams,
-                           "corpus_bigrams": cfg.corpus_bigrams, "corrector_type": cfg.corrector_type},
-               "args": {k: str(v) for k, v in vars(args).items()}, "log": trainer.state.log_history[-5:],
-               # one per process: equal when DDP kept them in step
-               "rank_weight_digests": rank_weight_digests(drafter, args.output)}
-    if trainer.is_world_process_zero():  # the process that exported the folder
-        (args.output / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2))
-
-
-def rank_weight_digests(drafter: DCOCODrafter, folder: Path) -> list[str]:
-    """SHA-256 of the drafter's weights in every process (all of them take part), rank order.
-
-    The digests travel as files in `folder` behind one barrier, not through `all_gather_object`: gloo's worker
-    thread can free that call's Python-made tensors last, which needs the GIL, and at exit that aborts the process
-    ("terminate called without an active exception") or deadlocks the process group's teardown."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(drafter.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [digest.hexdigest()]
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    (folder / f"weights-rank{rank}.sha256").write_text(digest.hexdigest())
-    torch.distributed.barrier()
-    return [(folder / f"weights-rank{r}.sha256").read_text() for r in range(world)]
-
-
-def corrector_switch(args: argparse.Namespace) -> dict:
-    """`from_pretrained` overrides that give the --init drafter a fresh head of kind --corrector (none if it has that
-    kind).
-
-    A new LiLiCorr head is sized for the largest block it will train on, reads pair evidence only when asked
-    (--context-bigrams, --corpus-bigrams), does not score DCOCO's way (correct_first_slot off: it always scores slot
-    1 by its start scores), and starts with no measured block_tau (the DCOCO corrector's taus do not describe it)."""
-    if args.corrector is None or args.corrector == DCOCOConfig.from_pretrained(args.init).corrector_type:
-        return {}
-    if args.corrector == "dcoco":
-        return {"corrector_type": "dcoco"}
-    if args.corrector == "dflash2":  # its codebooks follow the drafter's draft vocabulary; it reads no pair facts
-        rank = {} if args.selector_rank is None else {"selector_rank": args.selector_rank}
-        return {"corrector_type": "dflash2", "context_bigrams": False, "corpus_bigrams": None,
-                "correct_first_slot": False, "block_tau": None, **rank}
-    block = max(args.block_sizes or [args.draft_block_size or 0]) or None  # None: the drafter's block_size
-    return {"corrector_type": "lilicorr", "block_size": block, "context_bigrams": args.context_bigrams,
-            "corpus_bigrams": None, "correct_first_slot": False, "block_tau": None}
-
-
-class TimeBudget(TrainerCallback):
-    """Stops training once `minutes` have passed since the first step (the Trainer then saves as usual)."""
-
-    def __init__(self, minutes: float) -> None:
-        self.seconds, self.start = minutes * 60, None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.start = self.start or time.time()
-        if time.time() - self.start >= self.seconds:
-            control.should_training_stop = True
-        return control
+    target = AutoModelForCausalLM.from_pretrained(args.target or default_target_path()).eval().requires_grad_(False)
+    try:
+        train_stage(StageOptions.from_namespace(args), target)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -116,6 +117,42 @@ def block_size_arg(text: str) -> int | str:
     if size < 2:
         raise argparse.ArgumentTypeError(f"{size}: a block needs the anchor plus at least one drafted token")
     return size
+
+
+def recipe_argv(parser: argparse.ArgumentParser, path: Path) -> list[str]:
+    """The command-line tokens a recipe file stands for: `key: value` -> `--key value`, lists -> several values,
+    `true` -> the bare flag (`false` leaves it off). Keys must be `parser`'s long options (dashes or underscores)."""
+    try:
+        recipe = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        parser.error(f"--recipe {path}: cannot read it as YAML ({error})")
+    if not isinstance(recipe, dict):
+        parser.error(f"--recipe {path}: expected `option: value` lines, got a {type(recipe).__name__}")
+    options = {a.option_strings[-1][2:]: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    unknown = sorted(str(k) for k in recipe if str(k).replace("_", "-") not in options or k == "recipe")
+    if unknown:
+        parser.error(f"--recipe {path}: unknown option(s) {unknown}; keys are this command's long options without "
+                     f"the dashes ({', '.join(sorted(o for o in options if o != 'recipe'))})")
+    argv = []
+    for key, value in recipe.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(options[flag[2:]], argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                parser.error(f"--recipe {path}: {key} is a switch; write `{key}: true` or `{key}: false`")
+            argv += [flag] if value else []
+        else:
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def parse_with_recipe(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse `argv`; with --recipe FILE among them, the file's options come first, so flags given here override it.
+
+    --recipe is read on its own first: options the parser requires may be in the file."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe", type=Path, default=None)
+    recipe = pre.parse_known_args(list(argv))[0].recipe
+    return parser.parse_args((recipe_argv(parser, recipe) if recipe else []) + list(argv))
 
 
 def parse_suites(text: str) -> list[str]:

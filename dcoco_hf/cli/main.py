@@ -2,6 +2,7 @@
 
     dcoco-hf generate "Write a haiku about the sea."      # stream a DCOCO answer, then compare with plain generate
     dcoco-hf bench --suite humaneval,mtbench --limit 10   # all methods, interleaved, table + --json + --plots
+    dcoco-hf train --target org/model --out runs/mine     # train a drafter for any causal LM (resumable)
 
 Defaults: target SmolLM2-135M-Instruct (built once from its PyPI wheel, see `assets.py`), drafter the one shipped in
 `model_cards/dcoco-smollm2-135m`. Every argument is checked before any model is loaded, so bad input fails at once.
@@ -59,6 +60,7 @@ from ..runtime.cpu_linear import few_rows_plan
 from ..runtime.hf_compat import attention_implementation
 from .export import add_export_parser
 from .plots import require_matplotlib
+from .train import add_train_parser
 from ..runtime.precision import describe_quantization
 from ..runtime.stats import DCOCOStats
 from ..runtime.tuning import cpu_name
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_batch_parser(commands, common)
     add_export_parser(commands, common)
+    add_train_parser(commands, common)
     return parser
 
 

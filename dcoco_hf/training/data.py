@@ -32,6 +32,7 @@ import random
 import re
 import sys
 import textwrap
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -296,21 +297,29 @@ def regenerate(
     batch_size: int = 16,
     shard_size: int = 64,
     max_shards: int | None = None,
+    deadline: float | None = None,
 ) -> Path:
     """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
 
-    Resumable: shards already on disk are skipped, and `max_shards` stops early (a later call without it goes on
-    with the same prompts). Prompts are sorted by length inside a shard to waste less padding.
+    Resumable: shards already on disk are skipped, and `max_shards` (or `deadline`, a `time.time()` after which no
+    new shard starts) stops early; a later call without it goes on with the same prompts. Prompts are sorted by
+    length inside a shard to waste less padding. The progress bar counts answers and the tokens/s they are written at.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "prompts.json").write_text(json.dumps(prompts))
     shards = list(_batches(prompts, shard_size))[:max_shards]
-    for index, shard in enumerate(tqdm(shards, desc="regenerate", unit="shard")):
+    done = [(out_dir / f"shard-{index:05d}.pt").exists() for index in range(len(shards))]
+    progress = tqdm(total=sum(map(len, shards)), initial=sum(len(s) for s, d in zip(shards, done) if d),
+                    desc="answers", unit="answer")
+    start, tokens = time.time(), 0
+    for index, shard in enumerate(shards):
         path = out_dir / f"shard-{index:05d}.pt"
-        if path.exists():
+        if done[index]:
             continue
-        encoded = sorted((chat_input_ids(tokenizer, p)[0] for p in shard), key=len)
+        if deadline is not None and time.time() >= deadline:
+            break
+        encoded = sorted((prompt_input_ids(tokenizer, p)[0] for p in shard), key=len)
         records = []
         for batch in _batches(encoded, batch_size):
             ids, mask = left_pad(batch, padding_id(tokenizer))
@@ -318,8 +327,20 @@ def regenerate(
             for prompt, row in zip(batch, out[:, ids.shape[1] :]):
                 response = _until_eos(row, target.generation_config.eos_token_id)
                 records.append(_record(prompt, response))
+                tokens += len(response)
+            progress.update(len(batch))
+            progress.set_postfix_str(f"{tokens / max(time.time() - start, 1e-9):.1f} tokens/s")
         save_shard(records, path)
+    progress.close()
     return out_dir
+
+
+def prompt_input_ids(tokenizer, prompt: str) -> torch.LongTensor:
+    """Token ids [1, T] the target answers `prompt` from: a chat turn when the tokenizer has a chat template, else
+    the plain text (a base model continues it)."""
+    if tokenizer.chat_template:
+        return chat_input_ids(tokenizer, prompt)
+    return tokenizer(prompt, return_tensors="pt")["input_ids"].long()
 
 
 def save_shard(records: list[dict[str, torch.Tensor]], path: str | Path) -> None:

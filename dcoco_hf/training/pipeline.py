@@ -1,0 +1,308 @@
+"""`dcoco-hf train` end to end: prompts, the target's answers, stage 1, stage 2, a Hub-ready drafter folder.
+
+Every phase leaves its result on disk and is recorded in `<out>/train_state.json` when it finishes, so the same
+command run again skips finished phases and resumes the unfinished one (answers shard by shard, stages from their
+last Trainer checkpoint). The stages are `stages.train_stage`, the function `scripts/train_drafter.py` runs.
+
+    <out>/data/prompts.json, held_out.json   the training prompts and the held-out ones tau is measured on
+    <out>/data/shard-*.pt                    the target's greedy answers (token ids + response mask)
+    <out>/stage1, <out>/stage2               Trainer checkpoints, each stage's drafter in final/
+    <out>/drafter                            the result: weights, code, config (auto_map), generation_config, README
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from ..runtime.block_choice import block_size_for_call
+from ..runtime.drafter import DCOCODrafter
+from ..runtime.prompts import padding_id
+from .data import (
+    load_shards,
+    prompt_input_ids,
+    regenerate,
+    self_instruct_exercises,
+    self_instruct_prompts,
+    stdlib_code_prompts,
+)
+from .retarget import measure_tau
+from .stages import StageOptions, train_stage
+
+PHASES = ("prompts", "answers", "stage1", "stage2", "final")
+# --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
+TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
+STATE_FILE = "train_state.json"
+CURATED_STDLIB_PROMPTS = 500  # about what STDLIB_MODULES holds; a run asking more draws on the whole stdlib
+
+
+@dataclass
+class TrainRun:
+    """What one `dcoco-hf train` run does; the field names are the command's long options."""
+
+    out: Path
+    target: str  # the resolved target name (folder, GGUF file or Hub id) recorded in the state file
+    command: Sequence[str] = ()
+    answers: int = 512
+    steps: int = 400
+    hours: float | None = None
+    prompts: Path | None = None
+    held_out: int = 8
+    max_new_tokens: int = 192
+    answer_batch_size: int = 16
+    layers: int = 1
+    block_size: int = 8
+    top_k: int = 16
+    target_layers_read: int = 5
+    lr: float = 6e-4
+    batch_size: int = 4
+    num_anchors: int = 16
+    max_length: int = 640
+    save_steps: int = 50
+    seed: int = 0
+    bf16: bool = False
+    tau_tokens: int = 64
+    held_out_exclude: Sequence[str] = field(default=(), repr=False)  # prompts never asked (e.g. HumanEval's)
+
+    @property
+    def data(self) -> Path:
+        return self.out / "data"
+
+    def deadline(self, phase: str) -> float | None:
+        """The time.time() by which `phase` stops (None without --hours): its share of the budget from now."""
+        return None if self.hours is None else time.time() + TIME_SHARES[phase] * self.hours * 3600
+
+    def options(self) -> dict[str, Any]:
+        """The options as the state file records them (JSON types)."""
+        skip = {"out", "target", "command", "held_out_exclude"}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k not in skip}
+
+
+class RunFolderError(ValueError):
+    """`out` holds something other than a run of this target; the message names the folder and the fix."""
+
+
+@dataclass
+class RunState:
+    """`<out>/train_state.json`: the target, the command line, the options, finished phases and what each
+    invocation ran (so a resumed run shows that it did not redo a phase)."""
+
+    target: str
+    command: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+    ran: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, run: TrainRun) -> RunState:
+        """The state of `run.out`, new or resumed. Refuses a folder that holds another target's run, or files that
+        are no run at all, before any work."""
+        path = run.out / STATE_FILE
+        if path.exists():
+            state = cls(**json.loads(path.read_text()))
+            if state.target != run.target:
+                raise RunFolderError(
+                    f"--out {run.out} holds a training run of another target ({state.target}), not {run.target}; "
+                    f"pass a new --out folder, or delete {run.out} to start over"
+                )
+            return state
+        if run.out.exists() and any(run.out.iterdir()):
+            raise RunFolderError(
+                f"--out {run.out} is not empty and holds no {STATE_FILE}, so it is not a `dcoco-hf train` run; pass a "
+                "new or empty --out folder"
+            )
+        return cls(target=run.target)
+
+    def save(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.rename(out / STATE_FILE)
+
+
+def train(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """Run the unfinished phases of `run` in order; returns the drafter folder. Safe to kill and rerun."""
+    state = RunState.open(run)
+    state.command, state.options = list(run.command), run.options()
+    state.ran.append([])
+    state.save(run.out)
+    steps: dict[str, Callable[[], None]] = {
+        "prompts": lambda: write_prompts(run, target, tokenizer),
+        "answers": lambda: write_answers(run, target, tokenizer),
+        "stage1": lambda: run_stage(run, target, tokenizer, 1),
+        "stage2": lambda: run_stage(run, target, tokenizer, 2),
+        "final": lambda: write_drafter(run, target, tokenizer),
+    }
+    for phase in PHASES:
+        if phase in state.finished:
+            continue
+        state.ran[-1].append(phase)
+        state.save(run.out)
+        steps[phase]()
+        state.finished.append(phase)
+        state.save(run.out)
+    return run.out / "drafter"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Phases
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Choose the training prompts and the held-out ones (never trained on) and write them once."""
+    prompts = read_prompts_file(run.prompts) if run.prompts else source_prompts(run, target, tokenizer)
+    train_prompts, held_out = split_held_out(prompts, run.answers, run.held_out)
+    run.data.mkdir(parents=True, exist_ok=True)
+    (run.data / "held_out.json").write_text(json.dumps(held_out))
+    (run.data / "prompts.json").write_text(json.dumps(train_prompts))
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """The prompts of a --prompts file: a JSON list of strings (checked by the command line before any work)."""
+    return json.loads(Path(path).read_text())
+
+
+def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """answers + held_out prompts, shuffled: with a chat template, half standard-library code tasks, a quarter
+    questions and a quarter programming exercises the target writes itself; without one, code tasks alone (plain
+    text a base model continues)."""
+    wanted = run.answers + run.held_out
+    chat = exercises = 0
+    if tokenizer.chat_template:
+        chat = exercises = wanted // 4
+    code_count = wanted - chat - exercises
+    code = stdlib_code_prompts(code_count, seed=run.seed, whole_stdlib=code_count > CURATED_STDLIB_PROMPTS)
+    asked = self_instruct_prompts(target, tokenizer, chat, seed=run.seed) if chat else []
+    if exercises:
+        asked += self_instruct_exercises(target, tokenizer, exercises, seed=run.seed, exclude=run.held_out_exclude)
+    prompts = list(dict.fromkeys(code + asked))
+    random.Random(run.seed).shuffle(prompts)
+    return prompts
+
+
+def split_held_out(prompts: list[str], answers: int, held_out: int) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts): the last `held_out` prompts are held out, the first `answers` of the
+    rest are answered. Raises ValueError when nothing is left to train on."""
+    kept = min(held_out, max(len(prompts) - 1, 0))
+    train_prompts = prompts[: len(prompts) - kept][:answers]
+    if not train_prompts:
+        raise ValueError(f"no training prompts: the prompt sources gave {len(prompts)} prompt(s) and {kept} are held "
+                         "out; give more prompts (--prompts FILE, --answers N)")
+    return train_prompts, prompts[len(prompts) - kept :]
+
+
+def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The target answers the training prompts (greedy) into shards; with --hours it stops at its share, keeping
+    the shards written so far."""
+    prompts = json.loads((run.data / "prompts.json").read_text())
+    regenerate(target, tokenizer, prompts, run.data, run.max_new_tokens, run.answer_batch_size,
+               deadline=run.deadline("answers"))
+
+
+def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stage: int) -> None:
+    """Stage 1 (a new drafter warm-started from the target's last layers) or stage 2 (from stage 1's), both
+    `train_stage`, the code path of scripts/train_drafter.py."""
+    deadline = run.deadline(f"stage{stage}")
+    shape = {"layers": run.layers, "block_size": run.block_size, "top_k": run.top_k,
+             "target_layers_read": run.target_layers_read, "init_from_target": True} if stage == 1 else {
+        "init": str(run.out / "stage1" / "final")}
+    options = StageOptions(
+        stage=stage, data=[run.data], output=run.out / f"stage{stage}", max_steps=run.steps, lr=run.lr,
+        batch_size=run.batch_size, num_anchors=run.num_anchors, max_length=run.max_length, bf16=run.bf16,
+        save_steps=run.save_steps, seed=run.seed,
+        max_minutes=None if deadline is None else max(deadline - time.time(), 0) / 60, **shape,
+    )
+    train_stage(options, target, pad_token_id=padding_id(tokenizer))
+
+
+def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The stage-2 drafter as a Hub folder, with its held-out tau per block size in generation_config `block_tau`
+    (what `attach` weighs against this machine's cycle times) and a model card."""
+    stage2 = run.out / "stage2" / "final"
+    held_out = json.loads((run.data / "held_out.json").read_text())
+    taus = held_out_block_tau(DCOCODrafter.from_pretrained(stage2).attach(target, tune=False), target, tokenizer,
+                              held_out, run.tau_tokens)
+    drafter = DCOCODrafter.from_pretrained(stage2, block_tau=taus or None)
+    folder = run.out / "drafter"
+    drafter.save_pretrained(folder)
+    records = len(load_shards(run.data))
+    (folder / "README.md").write_text(model_card(run, drafter, taus, len(held_out), records))
+
+
+@torch.no_grad()
+def held_out_block_tau(drafter: DCOCODrafter, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                       prompts: list[str], max_new_tokens: int) -> dict[str, float]:
+    """{"B": tau} for every block size 2..block_size: committed tokens per target forward of greedy assisted
+    generation on the held-out prompts (whole blocks every cycle, so it measures the drafter, not the machine)."""
+    if not prompts:
+        return {}
+    ids = [prompt_input_ids(tokenizer, p) for p in prompts]
+    taus = {}
+    drafter.eval()
+    for size in tqdm(range(2, drafter.config.block_size + 1), desc="held-out tau", unit="block size"):
+        with block_size_for_call(drafter, size):
+            taus[str(size)] = round(measure_tau(target, drafter, ids, max_new_tokens), 4)
+    return taus
+
+
+def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], held_out: int, records: int) -> str:
+    """The drafter folder's README.md: what it is, how to load it, the command that made it and its held-out tau."""
+    cfg = drafter.config
+    rows = "\n".join(f"| {size} | {tau:.2f} |" for size, tau in taus.items()) or "| - | not measured (no held-out "\
+        "prompts) |"
+    target = Path(run.target).name if Path(run.target).exists() else run.target  # a local folder by its name
+    return f"""---
+library_name: transformers
+tags:
+- speculative-decoding
+- dflash
+- dcoco
+---
+
+# DCOCO drafter for {target}
+
+A DFlash drafter with a DCOCO corrector, trained with `dcoco-hf train` on {records} answers that the target wrote
+itself ({cfg.num_hidden_layers} layer(s), blocks of up to {cfg.block_size} tokens, top-{cfg.top_k} corrector).
+Decoding with it is lossless: greedy outputs are the target's own.
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+target = AutoModelForCausalLM.from_pretrained("{run.target}")
+tokenizer = AutoTokenizer.from_pretrained("{run.target}")
+drafter = AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True).attach(target)
+input_ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=256, do_sample=False)
+```
+
+## How it was made
+
+```bash
+{shlex.join(run.command) if run.command else "dcoco-hf train"}
+```
+
+## Held-out tau
+
+Committed tokens per target forward (greedy, whole blocks every cycle) on {held_out} held-out prompt(s) that were not
+trained on, {run.tau_tokens} new tokens each, per block size (recorded as `block_tau` in generation_config.json):
+
+| block size | tau |
+| --- | --- |
+{rows}
+"""
+
+
+__all__ = ["PHASES", "STATE_FILE", "TIME_SHARES", "RunFolderError", "RunState", "TrainRun", "held_out_block_tau",
+           "train"]
