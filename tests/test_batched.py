@@ -360,18 +360,18 @@ def test_wrong_verification_is_caught(sampling_models, monkeypatch):
         seen["logits"] = logits
         return picker(token_picker, logits, *args)
 
-    def wrong_follow(tokens, parents, depth, pick):
+    def wrong_follow(tokens, parents, depth, pick, ends):
         logits, rows = seen["logits"], torch.arange(tokens.shape[0])
 
-        def lenient(column, step, path_tokens):
-            chosen = pick(column, step, path_tokens)  # an independent target sample at the column
+        def lenient(column, step, path_tokens, alive):
+            chosen = pick(column, step, path_tokens, alive)  # an independent target sample at the column
             if step >= tokens.shape[1]:
                 return chosen
             draft = tokens[:, step]  # the chain's draft after this column
             p_draft = logits[rows, column].softmax(-1).gather(1, draft[:, None])[:, 0]
             return torch.where(torch.rand_like(p_draft) < p_draft, draft, chosen)
 
-        return follow(tokens, parents, depth, lenient)
+        return follow(tokens, parents, depth, lenient, ends)
 
     monkeypatch.setattr(generation, "column_picker", capturing)
     monkeypatch.setattr(generation, "follow_path", wrong_follow)

@@ -206,6 +206,72 @@ def test_unattached_drafter_as_assistant(target, drafter):
             target.generate(_ids(), max_new_tokens=8, do_sample=False, assistant_model=unattached)
 
 
+def test_the_network_alone_as_assistant_names_the_fix(target, drafter, tmp_path):
+    """The network class (what a folder's own code gives where the package is not installed) cannot draft for
+    generate(): transformers' first read of it says so, instead of a bare AttributeError."""
+    from dcoco_hf.network.modeling_dcoco import DCOCODraftModel
+
+    drafter.save_pretrained(tmp_path)
+    network = DCOCODraftModel.from_pretrained(tmp_path)
+    with pytest.raises(AttributeError, match=r"drafter network alone .*pip install dcoco-hf.*attach\(target\)"):
+        target.generate(_ids(), max_new_tokens=8, do_sample=False, assistant_model=network)
+    assert not hasattr(network, "generation_config")  # still an AttributeError for transformers' own probes
+
+
+def test_a_prompt_without_tokens_is_refused_on_both_paths(target, drafter):
+    drafter.attach(target, tune=False)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="input_ids holds no tokens"):
+        target.generate(empty, max_new_tokens=8, do_sample=False, assistant_model=drafter)
+    with pytest.raises(ValueError, match="input_ids holds no tokens"):
+        speculative_generate(target, empty, drafter=drafter, max_new_tokens=8)
+
+
+def test_a_positional_attention_mask_is_refused_naming_the_keyword(target, drafter):
+    drafter.attach(target, tune=False)
+    ids = _ids()
+    with pytest.raises(TypeError, match=r"got a tensor as logits_processor.*attention_mask=mask"):
+        speculative_generate(target, ids, torch.ones_like(ids), drafter=drafter, max_new_tokens=8)
+
+
+def test_numpy_and_tensor_integers_are_tree_budgets(target, drafter):
+    import numpy as np
+
+    drafter.attach(target, tune=False)
+    expected = target.generate(_ids(), max_new_tokens=8, do_sample=False)
+    for budget in (np.int64(16), torch.tensor(4)):
+        got = speculative_generate(target, _ids(), drafter=drafter, max_new_tokens=8, tree_budget=budget)
+        assert got.sequences.tolist() == expected.tolist()
+    for bad in (1.5, True, np.float32(2)):
+        with pytest.raises(ValueError, match="tree_budget"):
+            speculative_generate(target, _ids(), drafter=drafter, max_new_tokens=8, tree_budget=bad)
+
+
+def test_a_users_generation_config_with_processor_and_criteria_lists(target, drafter):
+    """A user's generation_config plus logits_processor and stopping_criteria (even empty lists) is a direct call,
+    prepared by generate() like any other: exact, not mistaken for the call transformers itself makes."""
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    drafter.attach(target, tune=False)
+    ids = _ids()
+    written = target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    cases = [
+        (LogitsProcessorList(), StoppingCriteriaList()),
+        (LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]),
+         StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 5)])),  # replaces max_new_tokens, as in generate()
+        (LogitsProcessorList(), StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 11)])),
+        (LogitsProcessorList(), StoppingCriteriaList([EosTokenCriteria(int(written[3]))])),  # the caller's own EOS
+    ]
+    for processors, criteria in cases:
+        config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=VOCAB - 1)  # not in the prompt
+        expected = target.generate(ids, generation_config=config, logits_processor=processors,
+                                   stopping_criteria=criteria)
+        got = speculative_generate(target, ids, processors, criteria, config, drafter=drafter)
+        assert got.sequences.tolist() == expected.tolist()
+
+
 def test_drafter_attached_elsewhere(drafter):
     other = make_target("llama", seed=7)  # same shapes: nothing at attach time could tell them apart
     with pytest.raises(RuntimeError, match=r"generate\(\) was called on a different model than the one this drafter "

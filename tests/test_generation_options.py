@@ -156,3 +156,40 @@ def test_assisted_path_refuses_batches(llama):
     with pytest.raises(ValueError, match="assisted generate is only supported for batch_size = 1"):
         target.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=drafter,
                         pad_token_id=PAD)
+
+
+class _Trie:
+    """A strict `prefix_allowed_tokens_fn`: it knows the (batch id, prefix) pairs it was built from and returns []
+    for any other prefix, as a trie of allowed continuations does; it records every call."""
+
+    def __init__(self, known: set[tuple[int, tuple[int, ...]]] | None = None) -> None:
+        self.known, self.seen = known, set()
+
+    def __call__(self, batch_id: int, ids: torch.Tensor) -> list[int]:
+        key = (batch_id, tuple(ids.tolist()))
+        self.seen.add(key)
+        if self.known is not None and key not in self.known:
+            return []
+        return list(range(1 + (batch_id + int(ids[-1])) % 2, VOCAB, 2))
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prefix_allowed_tokens_fn_sees_only_what_plain_generate_shows_it(llama, do_sample):
+    """In a ragged batch every prefix (and batch id) the user's function is called with is one plain generate()
+    calls it with, so a strict function works and its side effects match; the output is plain generate()'s."""
+    target, drafter, _, batch, mask, _ = llama
+    kwargs = {"max_new_tokens": NEW, "do_sample": do_sample, "attention_mask": mask, "pad_token_id": PAD}
+    if do_sample:
+        kwargs["top_k"] = 1
+    recorder = _Trie()
+    plain = target.generate(batch, prefix_allowed_tokens_fn=recorder, **kwargs)
+    strict = _Trie(known=set(recorder.seen))
+    schedule = drafter.generation_config.num_assistant_tokens_schedule
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"  # draft every cycle: whole blocks verified
+    try:
+        got = speculative_generate(target, batch, drafter=drafter, prefix_allowed_tokens_fn=strict, **kwargs)
+    finally:
+        drafter.generation_config.num_assistant_tokens_schedule = schedule
+    assert got.sequences.tolist() == plain.tolist()
+    assert strict.seen <= recorder.seen
+    assert sum(sum(stats.accepted) for stats in got.stats) > 0  # drafts were accepted: multi-position verifies ran

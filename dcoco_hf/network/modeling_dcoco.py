@@ -232,11 +232,23 @@ class DCOCODraftModel(DCOCOPreTrainedModel):
         self.post_init()
 
     def attach(self, target: PreTrainedModel, **options: Any) -> Any:
-        raise RuntimeError(
+        raise RuntimeError(self._network_alone())
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "generation_config":
+                raise
+            # What transformers reads first off an `assistant_model=`: the network alone cannot draft for generate().
+            raise AttributeError(self._network_alone()) from None
+
+    def _network_alone(self) -> str:
+        return (
             f"{type(self).__name__} is the drafter network alone (a folder's own code, loaded where the dcoco-hf "
-            "package is not installed); attach() and speculative generate() are the package's. `pip install "
-            "dcoco-hf`, then load the folder again: AutoModel.from_pretrained(folder, trust_remote_code=True) then "
-            "returns a drafter that attaches."
+            "package is not installed, or the network class itself); attach() and speculative generate() are the "
+            "package's. `pip install dcoco-hf`, then load the folder again: AutoModel.from_pretrained(folder, "
+            "trust_remote_code=True) then returns a drafter; pass assistant_model=drafter.attach(target)."
         )
 
     def bind_target(self, target: PreTrainedModel | None) -> None:

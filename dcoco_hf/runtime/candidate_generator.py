@@ -35,7 +35,7 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .engine import Call, SpeculationEngine, claim, keep_call_statistics
+from .engine import Call, SpeculationEngine, claim, keep_call_statistics, require_prompt_tokens
 from .hf_compat import (
     TRANSFORMERS_VERSION,
     assisted_driver,
@@ -208,11 +208,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 f"transformers' assisted generation runs one sequence at a time (got batch {input_ids.shape[0]}); "
                 "use dcoco_hf.speculative_generate(target, drafter, input_ids, attention_mask=...) for batches."
             )
-        if input_ids.shape[1] == 0:
-            raise ValueError(
-                "generate(inputs_embeds=...) with a DCOCO drafter is not supported: the drafter reads the target's "
-                "states of known tokens and needs their ids. Pass input_ids (the prompt's token ids) instead."
-            )
+        require_prompt_tokens(input_ids)
         committed = input_ids[0]
         length = committed.shape[0]
         if self._length is None:

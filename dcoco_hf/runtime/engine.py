@@ -62,6 +62,17 @@ if TYPE_CHECKING:
 DRAFTABLE_WINDOW = 8
 
 
+
+def require_prompt_tokens(input_ids: torch.LongTensor) -> None:
+    """Refuse a prompt without token ids (an empty input_ids, or generate(inputs_embeds=...)): the drafter reads
+    the target's states of known tokens."""
+    if input_ids.shape[-1] == 0:
+        raise ValueError(
+            "input_ids holds no tokens (an empty prompt, or generate(inputs_embeds=...)): a DCOCO drafter reads the "
+            "target's states of known tokens and needs their ids. Pass input_ids with at least one token (for an "
+            "unconditional start, the tokenizer's BOS token)."
+        )
+
 def proposal_limits(generation: GenerationConfig, slots: int) -> tuple[int, float]:
     """(cap, floor) of a call, from the drafter's generation config: the most drafted tokens a cycle proposes
     (`num_assistant_tokens`, at most the block's `slots`; None: all of them) and the floor on a slot's predicted
@@ -491,4 +502,4 @@ def call_statistics(drafter: AttachedDrafter, sequences: torch.LongTensor | None
 
 
 __all__ = ["Call", "SpeculationEngine", "call_statistics", "claim", "keep_call_statistics", "one_call",
-           "proposal_limits"]
+           "proposal_limits", "require_prompt_tokens"]

@@ -54,8 +54,14 @@ from transformers.utils import ModelOutput
 
 from ..network.configuration_dcoco import check_tree_budget
 from .cpu_attention import CPU_GQA_ATTENTION
-from .engine import SpeculationEngine, keep_call_statistics, one_call
-from .hf_compat import attention_implementation, cache_kwargs, output_cache, special_token_tensors
+from .engine import SpeculationEngine, keep_call_statistics, one_call, require_prompt_tokens
+from .hf_compat import (
+    attention_implementation,
+    cache_kwargs,
+    output_cache,
+    prepared_by_generate,
+    special_token_tensors,
+)
 from .stats import DCOCOStats
 from .tap import TargetTap
 from .target_cache import (
@@ -69,7 +75,14 @@ from .target_cache import (
 )
 from .trees import DraftTrees, path_order
 from .tuning import time_batch
-from .verification import PREFIX_PROCESSORS, ROW_LOCAL_PROCESSORS, TokenPicker, column_picker, follow_path
+from .verification import (
+    PREFIX_PROCESSORS,
+    ROW_LOCAL_PROCESSORS,
+    TextEnds,
+    TokenPicker,
+    column_picker,
+    follow_path,
+)
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
@@ -149,7 +162,12 @@ def speculative_generate(
             "constant", the budget's tree every cycle. Trees follow the prefix-first walk's scores and need an
             attention implementation that takes arbitrary masks (eager, SDPA, flex); elsewhere cycles verify chains.
     """
-    prepared = generation_config is not None and logits_processor is not None and stopping_criteria is not None
+    _check_positional(logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                      generation_config=generation_config)
+    require_prompt_tokens(input_ids)
+    prepared = (
+        prepared_by_generate(generation_config) and logits_processor is not None and stopping_criteria is not None
+    )
     if not prepared:  # a direct call: let generate() prepare everything, then come back here with it prepared
         if isinstance(input_ids, torch.nn.Module) or drafter is None:
             raise TypeError(
@@ -178,6 +196,18 @@ def speculative_generate(
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _check_positional(**arguments: Any) -> None:
+    """A tensor in the slots after input_ids is an attention mask passed by position: the signature is the one
+    transformers calls a custom_generate with, so the mask must come by keyword."""
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"speculative_generate got a tensor as {name}: after input_ids it takes logits_processor, "
+                "stopping_criteria and generation_config (transformers' custom_generate order). Pass the mask by "
+                "keyword: speculative_generate(target, input_ids, attention_mask=mask, drafter=drafter, ...)."
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -270,7 +300,8 @@ def _speculative_loop(
     with one_call(drafter):  # refuses a second thread's call while this one runs
         tap.listen(timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
         try:
-            return _loop(target, drafter, input_ids, attention_mask, logits_processor, config, options)
+            return _loop(target, drafter, input_ids, attention_mask, logits_processor, stopping_criteria, config,
+                         options)
         finally:
             tap.stop()  # plain use of the target afterwards records nothing
 
@@ -290,10 +321,12 @@ def _loop(
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None,
     logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
     config: GenerationConfig,
     options: _LoopOptions,
 ) -> tuple[torch.LongTensor, list[DCOCOStats]]:
-    call, rows = _start(target, drafter, input_ids, attention_mask, logits_processor, config, options)
+    call, rows = _start(target, drafter, input_ids, attention_mask, logits_processor, stopping_criteria, config,
+                        options)
     finished = _prefill(call, rows, input_ids)
     while True:
         kept = _still_active(finished)
@@ -314,14 +347,17 @@ def _loop(
     return call.out[:, : input_ids.shape[1] + max(row.committed_tokens for row in stats)], stats
 
 
-def _start(target, drafter, input_ids, attention_mask, logits_processor, config, options) -> tuple[_Call, _Rows]:
+def _start(
+    target, drafter, input_ids, attention_mask, logits_processor, stopping_criteria, config, options
+) -> tuple[_Call, _Rows]:
     """The call's fixed parts, its engine and caches, and the rows before the prompts' forward."""
     device, (batch, prompt_len) = input_ids.device, input_ids.shape
     slots = drafter.config.block_size - 1
     budget = options.tree_budget if trees_supported(target) else 0
     widest = max(slots, budget) + 1  # the widest verify forward: an anchor and a chain, or a tree
-    max_new = config.max_length - prompt_len
-    eos, pad = special_token_tensors(config)  # None or [n_eos], None or []
+    max_length, eos = _stops(config, stopping_criteria)  # eos: None or [n_eos]
+    max_new = max_length - prompt_len
+    pad = special_token_tensors(config)[1]  # None or []
     pad = pad if pad is not None else torch.tensor(0, device=device)
     # The drafter's context holds the target's columns less the newest, then a captured draft's padded rows.
     context_length = static_capacity(prompt_len + max_new + slots, widest) + drafter.config.block_size
@@ -409,7 +445,8 @@ def _verify_and_commit(call: _Call, rows: _Rows, block: _Block) -> tuple[list[in
     logits, states = _target_forward(call, tokens, attention, positions, rows.ids)
     start = call.prompt_valid.shape[1] + call.written[rows.index]  # [b] committed tokens, the anchor included
     pick = column_picker(call.picker, logits, call.out, start, rows.index)
-    path, accepted, chosen = follow_path(block.nodes, block.parents, block.depth, pick)  # [b, d + 1], [b], [b, d + 1]
+    path, accepted, chosen = follow_path(block.nodes, block.parents, block.depth, pick, _text_ends(call, start))
+    # path, chosen [b, d + 1]; accepted [b]
     if branching:  # the accepted path's columns first: from here on the block is a chain with that prefix accepted
         order = path_order(path, n + 1)
         reorder_block(call.cache, order)
@@ -479,6 +516,18 @@ def _target_forward(
     return logits.float(), forwards[-1].states
 
 
+def _text_ends(call: _Call, start: torch.LongTensor) -> TextEnds:
+    """Where each row's text ends within a verified block (start [b]: its committed tokens, the anchor included):
+    at an EOS, or at its last budgeted position, as `_commit` cuts it."""
+    limit = call.prompt_valid.shape[1] + call.max_new
+
+    def ends(wanted: torch.LongTensor, step: int) -> torch.BoolTensor:
+        last = start + step + 1 >= limit
+        return last if call.eos is None else last | torch.isin(wanted, call.eos)
+
+    return ends
+
+
 def _commit(
     call: _Call, tokens: torch.LongTensor, counts: torch.LongTensor, rows: torch.LongTensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,6 +574,19 @@ def trees_supported(target: PreTrainedModel) -> bool:
     """Whether the target's attention takes a draft tree's arbitrary mask: eager, SDPA (and this package's CPU
     variant) and flex attention do; FlashAttention kernels take causal masks only, so there cycles verify chains."""
     return attention_implementation(target) in ("eager", "sdpa", CPU_GQA_ATTENTION, "flex_attention")
+
+
+def _stops(config: GenerationConfig, criteria: StoppingCriteriaList) -> tuple[int, torch.Tensor | None]:
+    """Where rows stop, as plain generate() stops them: at the max_length of the MaxLengthCriteria in the criteria
+    generate() prepared (a caller's own replaces generate()'s), and at every EOS id of the config and of any
+    EosTokenCriteria."""
+    eos = special_token_tensors(config)[0]
+    extra = [c.eos_token_id.to(eos.device if eos is not None else c.eos_token_id.device).flatten()
+             for c in criteria if isinstance(c, EosTokenCriteria)]
+    if extra:
+        eos = torch.cat(([] if eos is None else [eos.flatten()]) + extra).unique()
+    lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
+    return min(lengths) if lengths else config.max_length, eos
 
 
 def _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache) -> None:

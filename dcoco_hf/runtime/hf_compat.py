@@ -20,7 +20,8 @@ name the package touches, so a new one cannot slip in elsewhere):
 * a model's attention implementation, which transformers 5.x stores as `config._attn_implementation` with a public
   setter only (`attention_implementation`); the network a Hub folder carries reads it as every transformers modeling
   file does, since it cannot import the runtime;
-* the special-token tensors `generate()` prepares on its generation config (`special_token_tensors`);
+* the special-token tensors `generate()` prepares on its generation config (`special_token_tensors`), which also
+  tell a config `generate()` prepared from a user's (`prepared_by_generate`);
 * the flag that keeps transformers from dropping our own generation-config keys on load (`keep_own_keys`);
 * the cache keyword of a model forward seen by a hook (`forward_cache`).
 """
@@ -81,6 +82,12 @@ def special_token_tensors(config: Any) -> tuple[torch.Tensor | None, torch.Tenso
     """(EOS ids [n] or None, pad id or None) as tensors, which `generate()` prepares on the generation config it
     hands a `custom_generate` (5.17-5.25: `_prepare_special_tokens` sets `_eos_token_tensor`, `_pad_token_tensor`)."""
     return config._eos_token_tensor, config._pad_token_tensor
+
+
+def prepared_by_generate(config: Any) -> bool:
+    """Whether `generate()` prepared this generation config (its special-token tensors are set on the copy it hands a
+    `custom_generate`; a user's config, even after a generate() call that read it, has none)."""
+    return config is not None and "_eos_token_tensor" in vars(config)
 
 
 def keep_own_keys(generation_config: Any) -> None:

@@ -11,6 +11,7 @@ which every node's parent is the node before it, so both run the same walk.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,7 @@ from transformers.generation.logits_process import (
     ForcedEOSTokenLogitsProcessor,
     InfNanRemoveLogitsProcessor,
     LogitNormalization,
+    LogitsProcessor,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -56,6 +58,37 @@ PREFIX_PROCESSORS = (
 )
 
 
+class RowsConstraint(LogitsProcessor):
+    """`prefix_allowed_tokens_fn` (transformers' `PrefixConstrainedLogitsProcessor`) asked about `batch_rows` only
+    (the other rows' scores pass unchanged, to be discarded): the user's function gets each row's batch id as plain
+    generate() computes it (row // rows per prompt), so a row-aware function (a trie per prompt) answers as there.
+
+    Where every allowed token of a row already scores -inf, transformers' processor falls back to the allowed tokens
+    at 0 when all rows of that prompt are so; this one decides per row, since the rows of one prompt may stand at
+    different lengths here. The two differ only for several return sequences per prompt whose allowed tokens another
+    processor has all set to -inf."""
+
+    def __init__(self, allowed: Callable[[int, torch.Tensor], list[int]], rows_per_prompt: int) -> None:
+        self.allowed, self.rows_per_prompt = allowed, rows_per_prompt
+
+    @classmethod
+    def of(cls, processor: PrefixConstrainedLogitsProcessor) -> RowsConstraint:
+        return cls(processor._prefix_allowed_tokens_fn, processor._num_beams)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, batch_rows: torch.LongTensor) -> torch.Tensor:
+        mask = torch.zeros_like(scores)  # [B, V]
+        for row in batch_rows.tolist():
+            batch_id = row // self.rows_per_prompt
+            allowed = self.allowed(batch_id, input_ids[row])
+            if len(allowed) == 0:
+                raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {batch_id}: the "
+                                 "constraint is unsatisfiable. Check your prefix_allowed_tokens_fn.")
+            mask[row] = -math.inf
+            mask[row, allowed] = 0
+        constrained = scores + mask
+        return torch.where(constrained.amax(-1, keepdim=True).isneginf(), mask, constrained)
+
+
 class TokenPicker:
     """Chooses the token generate() would choose at a position: its logits processors, then argmax or one sample
     from the processed distribution.
@@ -63,12 +96,17 @@ class TokenPicker:
     Processors that read only the logits row (temperature, top_k, ...) run once over all positions. Those that read
     the sequence so far (`PREFIX_PROCESSORS`: repetition_penalty, min_new_tokens, ...) get at each position exactly
     the input_ids row plain generate() gives them there (left-padded prompt, committed tokens, the path's tokens up to
-    that position), in a batch of generate()'s shape since some keep per-row state; rows of a ragged batch are at
-    different lengths, so there is one call per distinct length (its other rows are processed and discarded).
+    that position), in a batch of generate()'s shape since some keep per-row state (repetition_penalty: each row's
+    padding). Rows of a ragged batch are at different lengths, so there is one call per distinct length; its other
+    rows are processed and discarded, except by a user's `prefix_allowed_tokens_fn`, which is asked about the rows at
+    that length only, so it sees only prefixes plain generate() shows it (`RowsConstraint`).
     """
 
     def __init__(self, processors: LogitsProcessorList, do_sample: bool) -> None:
-        self.processors, self.do_sample = processors, do_sample
+        self.processors = LogitsProcessorList(
+            RowsConstraint.of(p) if isinstance(p, PrefixConstrainedLogitsProcessor) else p for p in processors
+        )
+        self.do_sample = do_sample
         self.row_local = all(isinstance(p, ROW_LOCAL_PROCESSORS) for p in processors)
 
     def at(self, tokens: torch.LongTensor | None, start: torch.LongTensor | None, rows: torch.LongTensor):
@@ -86,10 +124,11 @@ class TokenPicker:
         scores = torch.empty_like(logits)
         for length in lengths.unique().tolist():
             active, position = (lengths == length).nonzero(as_tuple=True)  # at most one position per row
+            at_length = rows[active]  # [a] their rows in the call's batch
             batch_scores = logits.new_zeros(tokens.shape[0], vocab)  # rows not at this length: discarded
-            batch_scores[rows[active]] = logits[active, position]
-            processed = self.processors(tokens[:, :length], batch_scores)
-            scores[active, position] = processed[rows[active]]
+            batch_scores[at_length] = logits[active, position]
+            processed = self.processors(tokens[:, :length], batch_scores, batch_rows=at_length)
+            scores[active, position] = processed[at_length]
         return scores
 
     def _choose(self, scores: torch.Tensor) -> torch.LongTensor:
@@ -99,8 +138,11 @@ class TokenPicker:
         return scores.argmax(-1)
 
 
-# pick(column [b], step, path tokens so far [b, step]) -> the target's token at that block column [b]
-ColumnPick = Callable[[torch.LongTensor, int, torch.LongTensor], torch.LongTensor]
+# pick(column [b], step, path tokens so far [b, step], rows still on the path [b]) -> the target's token at that
+# block column [b] (rows off the path get a token that is never read)
+ColumnPick = Callable[[torch.LongTensor, int, torch.LongTensor, torch.BoolTensor], torch.LongTensor]
+# ends(token picked [b], step) -> [b]: the row's text ends with that token (an EOS, or its last budgeted position)
+TextEnds = Callable[[torch.LongTensor, int], torch.BoolTensor]
 
 
 def column_picker(
@@ -116,27 +158,32 @@ def column_picker(
 
     Row-local processors choose every column at once (one sample per column under sampling: the path reads the
     sample of each column it reaches, independent of how it got there, so it stays exact); processors that read the
-    sequence choose a column when the path reaches it, with the path's tokens as its prefix."""
+    sequence choose a column when the path reaches it, with the path's tokens as its prefix, for the rows still on
+    their path only: they see exactly the prefixes plain generate() shows them."""
     batch = torch.arange(logits.shape[0], device=logits.device)
     if picker.row_local:
         every = picker.at(None, None, rows)(logits)  # [b, n + 1]
-        return lambda column, step, path_tokens: every[batch, column]
+        return lambda column, step, path_tokens, alive: every[batch, column]
 
-    def pick(column: torch.LongTensor, step: int, path_tokens: torch.LongTensor) -> torch.LongTensor:
+    def pick(column: torch.LongTensor, step: int, path_tokens: torch.LongTensor, alive: torch.BoolTensor):
         history = out.clone()
         if step:
             places = start[:, None] + torch.arange(step, device=out.device)  # [b, step] inside out's spare room
             history[rows] = history[rows].scatter(1, places, path_tokens)
-        return picker.at(history, start + step, rows)(logits[batch, column][:, None])[:, 0]
+        live = alive.nonzero().squeeze(1)  # a host read; processors that read the sequence sync per length anyway
+        wanted = torch.zeros_like(column)
+        wanted[live] = picker.at(history, start[live] + step, rows[live])(logits[live, column[live]][:, None])[:, 0]
+        return wanted
 
     return pick
 
 
 def follow_path(
-    tokens: torch.LongTensor, parents: torch.LongTensor, depth: int, pick: ColumnPick
+    tokens: torch.LongTensor, parents: torch.LongTensor, depth: int, pick: ColumnPick, ends: TextEnds
 ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
     """The path the target's own tokens take through the verified block: from the anchor (column 0), the child
-    whose token is the target's token at the current column, while there is one.
+    whose token is the target's token at the current column, while there is one and the row's text goes on (no
+    draft after an EOS or past the budget is accepted, and no token is picked there).
 
     tokens / parents [b, n]: each node's token and its parent's block column (node i is column i + 1; a chain's
     node i has parent i); depth: the deepest node's depth. Returns (the path's columns [b, depth + 1], anchor first,
@@ -148,7 +195,7 @@ def follow_path(
     accepted = torch.zeros_like(current)
     path, chosen = [current], []
     for step in range(depth + 1):
-        wanted = pick(current, step, torch.stack(chosen, 1) if chosen else tokens[:, :0])  # [b]
+        wanted = pick(current, step, torch.stack(chosen, 1) if chosen else tokens[:, :0], alive)  # [b]
         chosen.append(wanted)
         if step == depth:
             break
@@ -156,7 +203,7 @@ def follow_path(
         found = match.any(1) & alive
         current = torch.where(found, match.long().argmax(1) + 1, current)
         accepted += found.long()
-        alive &= found
+        alive &= found & ~ends(wanted, step)  # a node holding the text's last token is accepted; nothing after it
         path.append(current)
     return torch.stack(path, 1), accepted, torch.stack(chosen, 1)
 

@@ -10,6 +10,7 @@ load into this class. Their DFlash fields may sit at the top level or inside `df
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -347,13 +348,18 @@ MAX_TREE_BUDGET = 64
 
 
 def check_tree_budget(value: Any, where: str = "") -> int:
-    """`value` as a tree budget (an integer in [0, MAX_TREE_BUDGET]), or a ValueError naming `tree_budget`."""
-    if not _has_type(value, _INT) or not 0 <= value <= MAX_TREE_BUDGET:
+    """`value` as a tree budget (an integer in [0, MAX_TREE_BUDGET]: a Python, NumPy or 0-d tensor integer), or a
+    ValueError naming `tree_budget`."""
+    try:
+        budget = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        budget = None
+    if budget is None or not 0 <= budget <= MAX_TREE_BUDGET:
         raise ValueError(
             f"tree_budget={value!r} {where}must be an integer in [0, {MAX_TREE_BUDGET}]: the most nodes a cycle's "
             "draft tree may have (0: chains only)."
         )
-    return int(value)
+    return budget
 
 
 DECODING_FIELDS = tuple(field.name for field in fields(DecodingChoices))
