@@ -24,6 +24,7 @@ from ..network.configuration_dcoco import DCOCOConfig
 from ..runtime.block_choice import set_block_size
 from ..network.corrector import CorpusBigrams
 from ..runtime.drafter import DCOCODrafter
+from ..runtime.logs import log
 from .data import cache_target_features, load_shards
 from .trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
@@ -104,6 +105,8 @@ def train_stage(options: StageOptions, target: PreTrainedModel, pad_token_id: in
     )
     start = time.time()
     last = get_last_checkpoint(str(output)) if output.exists() else None
+    if last is not None:
+        log(f"stage {options.stage}: resuming from {last}")
     trainer.train(resume_from_checkpoint=last)
     final = output / "final"
     trainer.export_drafter(final)

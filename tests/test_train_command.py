@@ -1,0 +1,185 @@
+"""`dcoco-hf train` on a tiny random target saved to disk: the whole run (prompts, answers, stage 1, stage 2, a Hub
+folder that AutoModel loads and that keeps greedy output exact), a SIGKILLed run resumed without redoing finished
+phases, the recipe file, and every bad input refused with one line before any long work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_target
+from test_cli import run_cli, tiny_tokenizer
+from test_multiprocess_training import quiet_env
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast, T5Config
+
+from dcoco_hf.cli import main as cli
+from dcoco_hf.cli.common import parse_with_recipe
+from dcoco_hf.cli.train import gguf_location
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RUN = ["--held-out", "2", "--max-new-tokens", "12", "--batch-size", "2", "--block-size", "4", "--top-k", "4",
+            "--num-anchors", "4", "--max-length", "48", "--tau-tokens", "10", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen3 target saved with a word-level chat tokenizer, and a prompts file of its words."""
+    root = tmp_path_factory.mktemp("train")
+    make_target("qwen3").save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    (root / "prompts.json").write_text(json.dumps([f"w{i} w{i + 3} w{i + 7}" for i in range(10)]))
+    return {"target": root / "target", "prompts": root / "prompts.json", "root": root}
+
+
+def train_argv(folders: dict[str, Path], out: Path, steps: int = 3) -> list[str]:
+    return ["train", "--target", folders["target"], "--out", out, "--prompts", folders["prompts"], "--steps",
+            str(steps), *TINY_RUN]
+
+
+def state(out: Path) -> dict:
+    return json.loads((out / "train_state.json").read_text())
+
+
+def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(*train_argv(folders, out))
+    assert result.code == 0, result.err[-2000:]
+    assert state(out)["finished"] == ["prompts", "answers", "stage1", "stage2", "final"]
+    held_out = json.loads((out / "data" / "held_out.json").read_text())
+    trained = json.loads((out / "data" / "prompts.json").read_text())
+    assert len(held_out) == 2 and not set(held_out) & set(trained)  # tau is measured on prompts never trained on
+
+    folder = out / "drafter"
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert sorted(generation["block_tau"]) == ["2", "3", "4"] and all(t >= 1 for t in generation["block_tau"].values())
+    assert "auto_map" in json.loads((folder / "config.json").read_text())
+    card = (folder / "README.md").read_text()
+    assert "dcoco-hf train --target" in card and "--steps 3" in card and "| 4 |" in card
+
+    target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
+    drafter = AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target)
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
+        expected.tolist()
+
+    again = run_cli(*train_argv(folders, out))  # the same command: every phase is done, nothing runs
+    assert again.code == 0 and state(out)["ran"][-1] == []
+
+
+def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path):
+    out = tmp_path / "run"
+    argv = [str(a) for a in train_argv(folders, out, steps=150)] + ["--save-steps", "5"]
+    process = subprocess.Popen([sys.executable, "-m", "dcoco_hf", *argv], env=quiet_env(), cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and process.poll() is None:
+            if list((out / "stage1").glob("checkpoint-*/trainer_state.json")):  # killed inside stage 1
+                break
+            time.sleep(0.02)
+        assert process.poll() is None, "the run ended before it could be killed"
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+    killed = state(out)
+    assert killed["finished"] == ["prompts", "answers"]
+    shards = {path: path.stat().st_mtime_ns for path in (out / "data").glob("shard-*.pt")}
+    prompts = (out / "data" / "prompts.json").stat().st_mtime_ns
+
+    result = run_cli(*argv)
+    assert result.code == 0, result.err[-2000:]
+    resumed = state(out)
+    assert resumed["finished"] == ["prompts", "answers", "stage1", "stage2", "final"]
+    assert resumed["ran"][-1] == ["stage1", "stage2", "final"]
+    assert f"stage 1: resuming from {out / 'stage1' / 'checkpoint-'}" in result.err  # not from step 0
+    assert {path: path.stat().st_mtime_ns for path in shards} == shards  # the answers were not written again
+    assert (out / "data" / "prompts.json").stat().st_mtime_ns == prompts
+    assert (out / "drafter" / "model.safetensors").exists()
+
+
+def test_recipe_options_are_overridden_by_flags(tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("out: runs/x\nsteps: 50\nanswers: 64\nbf16: true\n")
+    parser = cli.build_parser().parse_args(["train"]).train_parser
+    args = parse_with_recipe(parser, ["--recipe", str(recipe), "--steps", "7"])
+    assert (args.steps, args.answers, args.bf16, str(args.out)) == (7, 64, True, "runs/x")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stepz: 3\n")
+    with pytest.raises(SystemExit):
+        parse_with_recipe(parser, ["--recipe", str(bad)])
+
+
+def test_a_gguf_target_loads_from_its_folder_with_gguf_file():
+    assert gguf_location("/models/tiny/model.Q8_0.gguf") == ("/models/tiny", {"gguf_file": "model.Q8_0.gguf"})
+    assert gguf_location("org/name") == ("org/name", {})
+
+
+def no_pad_tokenizer_target(root: Path) -> Path:
+    """A target folder whose tokenizer defines neither a pad nor an eos token."""
+    folder = root / "no-pad"
+    make_target("qwen3").save_pretrained(folder)
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def encoder_decoder_target(root: Path) -> Path:
+    folder = root / "t5"
+    T5Config(d_model=8, d_ff=16, num_layers=1, num_heads=1, vocab_size=32).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing target", "no such folder"),
+    ("missing gguf", "no such GGUF file"),
+    ("encoder-decoder", "'t5' model is not a decoder-only causal LM"),
+    ("no pad or eos", "neither a pad token nor an eos token"),
+    ("no answers", "--answers 0: give at least 1 (with no answers there is nothing to train on)"),
+    ("empty prompts", "the list is empty"),
+    ("another target's run", "holds a training run of another target"),
+    ("not a run", "holds no train_state.json"),
+])
+def test_bad_input_fails_at_once_with_one_line(folders, tmp_path, case, message):
+    out, target, extra = tmp_path / "run", folders["target"], []
+    if case == "missing target":
+        target = tmp_path / "nowhere" / "model"
+    elif case == "missing gguf":
+        target = tmp_path / "model.gguf"
+    elif case == "encoder-decoder":
+        target = encoder_decoder_target(tmp_path)
+    elif case == "no pad or eos":
+        target = no_pad_tokenizer_target(tmp_path)
+    elif case == "no answers":
+        extra = ["--answers", "0"]
+    elif case == "empty prompts":
+        (tmp_path / "empty.json").write_text("[]")
+        extra = ["--prompts", tmp_path / "empty.json"]
+    elif case == "another target's run":
+        out.mkdir()
+        (out / "train_state.json").write_text(json.dumps({"target": "org/another-model", "finished": ["prompts"]}))
+    elif case == "not a run":
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+    argv = ["train", "--target", target, "--out", out, "--prompts", folders["prompts"], *extra]
+    started = time.time()
+    result = run_cli(*argv)
+    assert result.code == 2, result.err
+    lines = [line for line in result.err.splitlines() if line.startswith("dcoco-hf train: error:")]
+    assert len(lines) == 1 and message in lines[0], result.err
+    assert time.time() - started < 20
+    assert not (out / "data").exists()  # refused before any work
+    if case == "another target's run":
+        assert str(out) in lines[0] and "pass a new --out folder" in lines[0]
+    if case == "not a run":
+        assert os.listdir(out) == ["config.json"]
