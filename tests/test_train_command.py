@@ -183,3 +183,28 @@ def test_bad_input_fails_at_once_with_one_line(folders, tmp_path, case, message)
         assert str(out) in lines[0] and "pass a new --out folder" in lines[0]
     if case == "not a run":
         assert os.listdir(out) == ["config.json"]
+
+
+def test_a_target_without_chat_template_answers_plain_text_code_prompts(tmp_path):
+    """A base model's tokenizer has no chat template: its prompts are standard-library code tasks alone (the
+    self-written questions and exercises need a chat turn), given to the target as plain text."""
+    from dcoco_hf.training.data import prompt_input_ids
+    from dcoco_hf.training.pipeline import TrainRun, source_prompts
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    run = TrainRun(out=tmp_path, target="base", answers=5, held_out=1)
+    prompts = source_prompts(run, None, tokenizer)  # no target call: nothing is asked of it
+    assert len(prompts) == 6 and all(p.startswith("Complete the following Python function") for p in prompts)
+    assert prompt_input_ids(tokenizer, "w1 w2").tolist() == [[tokenizer.convert_tokens_to_ids("w1"),
+                                                              tokenizer.convert_tokens_to_ids("w2")]]
+
+
+def test_hours_split_the_budget_across_the_long_phases(tmp_path):
+    from dcoco_hf.training.pipeline import TIME_SHARES, TrainRun
+
+    assert sum(TIME_SHARES.values()) == pytest.approx(1.0)
+    run = TrainRun(out=tmp_path, target="t", hours=2.0)
+    assert run.deadline("answers") - time.time() == pytest.approx(3600, abs=5)
+    assert run.deadline("stage2") - time.time() == pytest.approx(0.2 * 7200, abs=5)
+    assert TrainRun(out=tmp_path, target="t").deadline("stage1") is None

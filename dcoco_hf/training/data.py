@@ -302,8 +302,9 @@ def regenerate(
     """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
 
     Resumable: shards already on disk are skipped, and `max_shards` (or `deadline`, a `time.time()` after which no
-    new shard starts) stops early; a later call without it goes on with the same prompts. Prompts are sorted by
-    length inside a shard to waste less padding. The progress bar counts answers and the tokens/s they are written at.
+    new shard starts; each call writes at least one) stops early; a later call goes on with the same prompts.
+    Prompts are sorted by length inside a shard to waste less padding. The progress bar counts answers and the
+    tokens/s they are written at.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -317,8 +318,6 @@ def regenerate(
         path = out_dir / f"shard-{index:05d}.pt"
         if done[index]:
             continue
-        if deadline is not None and time.time() >= deadline:
-            break
         encoded = sorted((prompt_input_ids(tokenizer, p)[0] for p in shard), key=len)
         records = []
         for batch in _batches(encoded, batch_size):
@@ -331,6 +330,8 @@ def regenerate(
             progress.update(len(batch))
             progress.set_postfix_str(f"{tokens / max(time.time() - start, 1e-9):.1f} tokens/s")
         save_shard(records, path)
+        if deadline is not None and time.time() >= deadline:  # checked after a shard: each call adds at least one
+            break
     progress.close()
     return out_dir
 

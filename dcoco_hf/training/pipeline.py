@@ -222,7 +222,7 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
         stage=stage, data=[run.data], output=run.out / f"stage{stage}", max_steps=run.steps, lr=run.lr,
         batch_size=run.batch_size, num_anchors=run.num_anchors, max_length=run.max_length, bf16=run.bf16,
         save_steps=run.save_steps, seed=run.seed,
-        max_minutes=None if deadline is None else max(deadline - time.time(), 0) / 60, **shape,
+        max_minutes=None if deadline is None else max(deadline - time.time(), 1.0) / 60, **shape,  # > 0: a cap
     )
     train_stage(options, target, pad_token_id=padding_id(tokenizer))
 
