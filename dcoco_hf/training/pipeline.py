@@ -177,11 +177,11 @@ def read_prompts_file(path: Path) -> list[str]:
 def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """answers + held_out prompts, shuffled: with a chat template, half standard-library code tasks, a quarter
     questions and a quarter programming exercises the target writes itself; without one, code tasks alone (plain
-    text a base model continues)."""
+    text a base model continues). Exercises need `held_out_exclude` (the evaluation prompts they must not
+    imitate); without it their quarter is code tasks too."""
     wanted = run.answers + run.held_out
-    chat = exercises = 0
-    if tokenizer.chat_template:
-        chat = exercises = wanted // 4
+    chat = wanted // 4 if tokenizer.chat_template else 0
+    exercises = wanted // 4 if tokenizer.chat_template and run.held_out_exclude else 0
     code_count = wanted - chat - exercises
     code = stdlib_code_prompts(code_count, seed=run.seed, whole_stdlib=code_count > CURATED_STDLIB_PROMPTS)
     asked = self_instruct_prompts(target, tokenizer, chat, seed=run.seed) if chat else []
