@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -83,14 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if options.threads:
         torch.set_num_threads(options.threads)
     name = target_name(options.target)
-    run = TrainRun(
-        out=options.out.expanduser(), target=name, command=["dcoco-hf", *args.argv], **{
-            key: getattr(options, key) for key in (
-                "answers", "steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
-                "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length",
-                "save_steps", "seed", "bf16", "tau_tokens")
-        },
-    )
+    given = {f.name: getattr(options, f.name) for f in fields(TrainRun) if f.name in TrainRun.OPTIONS}
+    run = TrainRun(out=options.out.expanduser(), target=name, command=["dcoco-hf", *args.argv], **given)
     try:
         state = RunState.open(run)  # refuses another target's run before the target loads
     except RunFolderError as error:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
@@ -75,6 +75,12 @@ class TrainRun:
     tau_tokens: int = 64
     held_out_exclude: Sequence[str] = field(default=(), repr=False)  # prompts never asked (e.g. HumanEval's)
 
+    # The fields that are command-line options (the others say where and what, or are set by the command line).
+    OPTIONS: ClassVar[frozenset[str]] = frozenset({
+        "answers", "steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
+        "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length", "save_steps",
+        "seed", "bf16", "tau_tokens"})
+
     @property
     def data(self) -> Path:
         return self.out / "data"
@@ -85,8 +91,7 @@ class TrainRun:
 
     def options(self) -> dict[str, Any]:
         """The options as the state file records them (JSON types)."""
-        skip = {"out", "target", "command", "held_out_exclude"}
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k not in skip}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k in self.OPTIONS}
 
 
 class RunFolderError(ValueError):
@@ -263,6 +268,8 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
     rows = "\n".join(f"| {size} | {tau:.2f} |" for size, tau in taus.items()) or "| - | not measured (no held-out "\
         "prompts) |"
     target = Path(run.target).name if Path(run.target).exists() else run.target  # a local folder by its name
+    source = (f'"{Path(run.target).parent}", gguf_file="{Path(run.target).name}"' if run.target.endswith(".gguf")
+              else f'"{run.target}"')
     return f"""---
 library_name: transformers
 tags:
@@ -280,8 +287,8 @@ Decoding with it is lossless: greedy outputs are the target's own.
 ```python
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-target = AutoModelForCausalLM.from_pretrained("{run.target}")
-tokenizer = AutoTokenizer.from_pretrained("{run.target}")
+target = AutoModelForCausalLM.from_pretrained({source})
+tokenizer = AutoTokenizer.from_pretrained({source})
 drafter = AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True).attach(target)
 input_ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
 out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=256, do_sample=False)
