@@ -208,3 +208,10 @@ def test_hours_split_the_budget_across_the_long_phases(tmp_path):
     assert run.deadline("answers") - time.time() == pytest.approx(3600, abs=5)
     assert run.deadline("stage2") - time.time() == pytest.approx(0.2 * 7200, abs=5)
     assert TrainRun(out=tmp_path, target="t").deadline("stage1") is None
+
+
+def test_help_renders(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert exit_info.value.code == 0 and "(answers 50%, stage1 30%, stage2 20%)" in text

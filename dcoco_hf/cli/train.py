@@ -30,7 +30,7 @@ from .common import CLIError, check_model_path, parse_with_recipe
 
 def add_train_parser(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register `dcoco-hf train` on the CLI's subcommands (its options are its own: `common` is not used)."""
-    shares = ", ".join(f"{phase} {share:.0%}" for phase, share in TIME_SHARES.items())
+    shares = ", ".join(f"{phase} {share * 100:.0f}%%" for phase, share in TIME_SHARES.items())  # %%: argparse help
     p = commands.add_parser(
         "train",
         help="train a DFlash + DCOCO drafter for any causal LM (prompts, the target's answers, stage 1, stage 2, "
