@@ -185,9 +185,9 @@ def test_bad_input_fails_at_once_with_one_line(folders, tmp_path, case, message)
         assert os.listdir(out) == ["config.json"]
 
 
-def test_a_target_without_chat_template_answers_plain_text_code_prompts(tmp_path):
-    """A base model's tokenizer has no chat template: its prompts are standard-library code tasks alone (the
-    self-written questions and exercises need a chat turn), given to the target as plain text."""
+def test_a_target_without_chat_template_answers_plain_text_prompts(tmp_path):
+    """A base model's tokenizer has no chat template: its prompts are code and task prompts (the self-written
+    questions and exercises need a chat turn), given to the target as plain text, with their dataset card."""
     from dcoco_hf.training.data import prompt_input_ids
     from dcoco_hf.training.pipeline import TrainRun, source_prompts
 
@@ -195,7 +195,8 @@ def test_a_target_without_chat_template_answers_plain_text_code_prompts(tmp_path
     tokenizer.chat_template = None
     run = TrainRun(out=tmp_path, target="base", answers=5, held_out=1)
     prompts = source_prompts(run, None, tokenizer)  # no target call: nothing is asked of it
-    assert len(prompts) == 6 and all(p.startswith("Complete the following Python function") for p in prompts)
+    assert len(prompts) == 6 and sum(p.startswith("Complete the following Python function") for p in prompts) == 3
+    assert "| code: documented library functions | 3 |" in (tmp_path / "data" / "README.md").read_text()
     assert prompt_input_ids(tokenizer, "w1 w2").tolist() == [[tokenizer.convert_tokens_to_ids("w1"),
                                                               tokenizer.convert_tokens_to_ids("w2")]]
 

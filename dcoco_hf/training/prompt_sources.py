@@ -1,0 +1,207 @@
+"""Prompts at scale for a drafter's training data: tens of thousands of distinct prompts, none overlapping the
+evaluation sets, described by a dataset card.
+
+Published DFlash-style recipes agree that the number of target-written answers decides a drafter's acceptance
+(1,600 samples: acceptance length 1.81 for Qwen3-0.6B; 100,000: 3.15 for Llama-3.2-1B). Every source here installs
+with the package or is written by the target itself (`data.self_instruct_prompts`, `data.self_instruct_exercises`):
+
+* code: "complete the function" prompts from every documented function and public method of the standard library
+  and of the pure-Python libraries installed beside it (NumPy, SymPy, NetworkX, Jinja2, ...: what torch and
+  transformers bring), in the form of the project's HumanEval prompts (`library_code_prompts`);
+* tasks: chat, reasoning, writing and other-language requests, built from task templates over topics and languages,
+  and arithmetic word problems whose numbers make each one distinct (`task_prompts`).
+
+`prepare_prompts` deduplicates them (case- and whitespace-blind) and drops every prompt that shares a run of
+`OVERLAP_WORDS` words with an evaluation prompt, or names a function an evaluation prompt defines, and reports what
+it dropped; `dataset_card` writes that report down.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+import random
+import re
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .data import CHAT_TOPICS, _stdlib_functions, _whole_stdlib
+from ..runtime.prompts import HUMANEVAL_TEMPLATE
+
+# Installed libraries whose documented functions make code prompts, when present. Pure-Python or thin-wrapper
+# packages that import cheaply and without side effects; torch and transformers are left out (thousands of
+# modules, minutes of imports).
+LIBRARIES = ("numpy", "sympy", "networkx", "jinja2", "yaml", "packaging", "tqdm", "filelock", "fsspec", "mpmath",
+             "markupsafe", "regex", "requests", "urllib3", "idna", "certifi", "safetensors", "huggingface_hub")
+# A prompt sharing this many consecutive words with an evaluation prompt counts as overlapping it.
+OVERLAP_WORDS = 8
+
+TASK_TEMPLATES = (
+    "Explain {topic} to a beginner in a few sentences.",
+    "What are three common misconceptions about {topic}?",
+    "Write a short poem about {topic}.",
+    "Write the opening paragraph of a story that involves {topic}.",
+    "Give me five tips for getting started with {topic}.",
+    "Summarize the history of {topic} in one paragraph.",
+    "What are the pros and cons of spending a weekend on {topic}?",
+    "Write a friendly email inviting a colleague to a talk about {topic}.",
+    "List the steps someone should follow to learn about {topic}.",
+    "Compare {topic} with {other} in a short table.",
+    "Write a dialogue between two friends discussing {topic}.",
+    "Describe {topic} using a simple analogy.",
+    "What questions would a curious child ask about {topic}, and how would you answer them?",
+    "Write a haiku about {topic}.",
+    "Give a one-sentence definition of {topic}, then an example.",
+    "Argue for and against the claim that {topic} is overrated.",
+    "Write a product description for a book about {topic}.",
+    "Plan a one-week study schedule for {topic}.",
+    "Write a tweet announcing a new podcast episode about {topic}.",
+    "Explain how {topic} and {other} are connected.",
+)
+LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Chinese", "Japanese", "Russian", "Hindi",
+             "Arabic")
+_WORD_PROBLEMS = (
+    "A shop sells {a} apples for ${b} each and {c} pears for ${d} each. How much do {a} apples and {c} pears cost in "
+    "total? Explain your steps.",
+    "A train travels {a} km in {b} hours, then {c} km in {d} hours. What is its average speed over the whole trip? "
+    "Show your reasoning.",
+    "A class has {a} students. {b} of them walk to school and {c} take the bus; the rest cycle. How many cycle? "
+    "Explain.",
+    "Tom saves ${a} a week for {b} weeks and then spends ${c}. How much money does he have left? Reason step by step.",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter? Show the formulas you use.",
+    "If {a} workers build a wall in {b} days, how many days would {c} workers need at the same pace? Explain.",
+)
+
+
+@functools.cache
+def library_code_prompts(libraries: tuple[str, ...] = LIBRARIES) -> list[str]:
+    """"Complete the following Python function" prompts for every documented function and public method of the
+    whole standard library and of `libraries` (those installed; submodules that fail to import are skipped), in a
+    fixed order. Importing every submodule takes ~20 s, once per process."""
+    modules = list(_whole_stdlib())
+    with warnings.catch_warnings():  # deprecated submodules announce themselves on import
+        warnings.simplefilter("ignore")
+        for library in libraries:
+            modules += _submodules(library)
+        bodies = [body for body, _ in _stdlib_functions(tuple(modules), methods=True)]
+    # A default printed with its memory address (`<function f at 0x7f...>`) differs in every process.
+    return [p for p in dict.fromkeys(HUMANEVAL_TEMPLATE.format(prompt=b) for b in bodies) if " at 0x" not in p]
+
+
+def _submodules(library: str) -> list[str]:
+    """`library` and its public submodules (no tests, no private ones), or nothing when it is not installed."""
+    try:
+        package = importlib.import_module(library)
+    except ImportError:
+        return []
+    names = [library]
+    for info in pkgutil.walk_packages(getattr(package, "__path__", []), prefix=f"{library}.", onerror=lambda _: None):
+        parts = info.name.split(".")
+        if not any(part.startswith("_") or part in ("tests", "testing", "conftest") for part in parts):
+            names.append(info.name)
+    return names
+
+
+def task_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct chat, writing, reasoning and other-language requests (fewer when the templates run out):
+    task templates over `data.CHAT_TOPICS`, some asked in another language, and arithmetic word problems."""
+    rng = random.Random(seed)
+    prompts: dict[str, None] = {}
+    templated = len(TASK_TEMPLATES) * len(CHAT_TOPICS) * (len(LANGUAGES) + 1)
+    for _ in range(20 * count):
+        if len(prompts) >= count:
+            break
+        if rng.random() < 0.25:
+            values = {k: rng.randint(2, 99) for k in "abcd"}
+            prompts.setdefault(rng.choice(_WORD_PROBLEMS).format(**values))
+        elif len(prompts) < templated:
+            topic, other = rng.sample(CHAT_TOPICS, 2)
+            prompt = rng.choice(TASK_TEMPLATES).format(topic=topic, other=other)
+            if rng.random() < 0.3:
+                prompt += f" Answer in {rng.choice(LANGUAGES)}."
+            prompts.setdefault(prompt)
+    return list(prompts)
+
+
+def normalized(text: str) -> str:
+    """Case- and whitespace-blind form of a prompt, for deduplication."""
+    return " ".join(text.casefold().split())
+
+
+def _shingles(text: str, words: int = OVERLAP_WORDS) -> set[tuple[str, ...]]:
+    tokens = re.findall(r"\w+", text.casefold())
+    return {tuple(tokens[i : i + words]) for i in range(max(len(tokens) - words + 1, 0))}
+
+
+@dataclass
+class PromptReport:
+    """What `prepare_prompts` kept and dropped, per source (the dataset card's numbers)."""
+
+    sources: dict[str, int] = field(default_factory=dict)  # source -> prompts it gave
+    duplicates: int = 0
+    overlapping: int = 0  # shared a run of OVERLAP_WORDS words with an evaluation prompt
+    named_like_evaluation: int = 0  # defined a function an evaluation prompt defines
+    evaluation_prompts: int = 0
+    kept: int = 0
+
+
+def prepare_prompts(
+    sources: dict[str, Iterable[str]], evaluation: Iterable[str]
+) -> tuple[list[str], PromptReport]:
+    """The prompts of every source, in order, deduplicated and held apart from `evaluation` (the prompts of every
+    suite results are reported on), with the report of what was dropped."""
+    evaluation = list(evaluation)
+    banned = set().union(*(_shingles(p) for p in evaluation)) if evaluation else set()
+    names = {name for p in evaluation for name in re.findall(r"def (\w+)\(", p)}
+    report, seen, kept = PromptReport(evaluation_prompts=len(evaluation)), set(), []
+    for source, prompts in sources.items():
+        prompts = list(prompts)
+        report.sources[source] = len(prompts)
+        for prompt in prompts:
+            key = normalized(prompt)
+            if key in seen:
+                report.duplicates += 1
+            elif names & set(re.findall(r"def (\w+)\(", prompt)):
+                report.named_like_evaluation += 1
+            elif banned & _shingles(prompt):
+                report.overlapping += 1
+            else:
+                seen.add(key)
+                kept.append(prompt)
+    report.kept = len(kept)
+    return kept, report
+
+
+def dataset_card(report: PromptReport, target: str, command: str, answers: int | None = None) -> str:
+    """A dataset card (README.md) for a folder of the target's answers to these prompts."""
+    rows = "\n".join(f"| {source} | {count} |" for source, count in report.sources.items())
+    written = f"The target answered {answers} of them (greedy)." if answers is not None else ""
+    return f"""# Training prompts and answers for a drafter of {target}
+
+Made by `{command}`. Each record is a prompt and the target's own greedy answer (token ids and a response mask),
+what a DFlash/DCOCO drafter learns to predict. {written}
+
+## Sources
+
+| source | prompts |
+| --- | --- |
+{rows}
+
+Code prompts ask to complete documented functions of the Python standard library and of installed open-source
+libraries (each under its own licence); task prompts are built from templates over topics and languages, and word
+problems from random numbers; questions and exercises, where present, were written by the target itself.
+
+## Deduplication and held-out evaluation
+
+- {report.duplicates} duplicates dropped (case- and whitespace-blind).
+- {report.named_like_evaluation} prompts dropped for defining a function an evaluation prompt defines.
+- {report.overlapping} prompts dropped for sharing a run of {OVERLAP_WORDS} words with one of the
+  {report.evaluation_prompts} evaluation prompts.
+- {report.kept} prompts kept.
+"""
+
+
+__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "dataset_card", "library_code_prompts", "normalized",
+           "prepare_prompts", "task_prompts"]

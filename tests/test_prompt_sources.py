@@ -1,0 +1,69 @@
+"""Prompts at scale (`dcoco_hf.training.prompt_sources`): tens of thousands of distinct prompts from sources that
+install with the package, deduplicated, none overlapping an evaluation suite the project reports on, with a dataset
+card that says what was dropped."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dcoco_hf.training.prompt_sources import (
+    OVERLAP_WORDS,
+    dataset_card,
+    library_code_prompts,
+    normalized,
+    prepare_prompts,
+    task_prompts,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_task_prompts_are_distinct_varied_and_repeatable():
+    prompts = task_prompts(5000, seed=3)
+    assert len(prompts) == 5000 and len({normalized(p) for p in prompts}) == 5000
+    assert task_prompts(5000, seed=3) == prompts and task_prompts(5000, seed=4) != prompts
+    assert any("Answer in Hindi." in p for p in prompts)  # other languages
+    assert any(re.search(r"\d+ km in \d+ hours", p) for p in prompts)  # reasoning with numbers
+    assert any(p.startswith("Write a short poem") for p in prompts)  # writing
+
+
+def test_prepare_prompts_drops_duplicates_and_anything_near_an_evaluation_prompt():
+    evaluation = [
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+        'def has_close_elements(numbers, threshold):\n    """Check if in given list of numbers, are any two numbers '
+        'closer to each other than given threshold."""\n',
+    ]
+    sources = {
+        "a": ["Explain tides.", "explain   TIDES.", "Please compose an engaging travel blog post about a recent trip "
+              "to Hawaii, highlighting cultural experiences and sights."],
+        "b": ["Complete the following Python function:\n```python\ndef has_close_elements(xs, t):\n    pass\n```",
+              "Write a haiku about tea.", "Explain tides."],
+    }
+    kept, report = prepare_prompts(sources, evaluation)
+    assert kept == ["Explain tides.", "Write a haiku about tea."]
+    assert (report.duplicates, report.overlapping, report.named_like_evaluation) == (2, 1, 1)
+    assert report.sources == {"a": 3, "b": 3} and report.kept == 2 and report.evaluation_prompts == 2
+    card = dataset_card(report, "org/model", "dcoco-hf train --target org/model --out run", answers=2)
+    assert "dcoco-hf train --target org/model --out run" in card and "| a | 3 |" in card
+    assert f"sharing a run of {OVERLAP_WORDS} words" in card and "2 prompts kept" in card
+
+
+@pytest.mark.slow
+def test_the_sources_give_tens_of_thousands_of_prompts_held_apart_from_every_reported_suite():
+    """What `dcoco-hf train` draws on: documented functions of the standard library and the installed libraries,
+    and task prompts; checked against HumanEval, MT-Bench and the held-out suites the results are reported on."""
+    from dcoco_hf.assets import humaneval_prompts, load_prompts_file, mtbench_prompts
+
+    code = library_code_prompts()
+    assert len(code) > 5000
+    evaluation = humaneval_prompts() + mtbench_prompts()
+    for suite in sorted((REPO / "scripts" / "prompts").glob("*.jsonl")):
+        evaluation += load_prompts_file(suite)
+    kept, report = prepare_prompts({"code": code, "tasks": task_prompts(20000)}, evaluation)
+    assert len(kept) >= 20000 and report.evaluation_prompts >= 80 + 164
+    evaluation_names = {n for p in evaluation for n in re.findall(r"def (\w+)\(", p)}
+    assert not any(set(re.findall(r"def (\w+)\(", p)) & evaluation_names for p in kept)
+    assert not {normalized(p) for p in kept} & {normalized(p) for p in evaluation}
