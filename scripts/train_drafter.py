@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; fp16 overflows in fc)")
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="stage 1: propose from the N tokens the target writes most in the data (default: every token)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop training after this many minutes (then save as usual); the learning-rate schedule "
                         "still follows --max-steps / --epochs")

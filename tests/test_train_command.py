@@ -44,6 +44,28 @@ def train_argv(folders: dict[str, Path], out: Path, steps: int = 3) -> list[str]
             str(steps), *TINY_RUN]
 
 
+def test_a_draft_vocabulary_from_the_targets_answers_is_trained_and_saved(folders, tmp_path):
+    """--draft-vocab N: the drafter proposes from the N tokens the target wrote most (its EOS too), trains and saves
+    with it, and decoding stays exactly plain generate()'s."""
+    out = tmp_path / "run"
+    result = run_cli(*train_argv(folders, out, steps=2), "--draft-vocab", "12")
+    assert result.code == 0, result.err[-2000:]
+    drafter_folder = out / "drafter"
+    assert json.loads((drafter_folder / "config.json").read_text())["draft_vocab_size"] == 12
+    assert "proposing\nfrom the 12 tokens it writes most" in (drafter_folder / "README.md").read_text()
+    target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
+    drafter = AutoModel.from_pretrained(drafter_folder, trust_remote_code=True).attach(target)
+    assert drafter.draft_token_ids.numel() == 12
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
+        target.generate(ids, max_new_tokens=12, do_sample=False).tolist()
+    from dcoco_hf.training.pipeline import auto_draft_vocab
+
+    assert auto_draft_vocab(262_144) == 32_768 and auto_draft_vocab(49_152) == 0  # the default: large vocabularies
+    refused = run_cli(*train_argv(folders, tmp_path / "other"), "--draft-vocab", "3")
+    assert refused.code == 2 and "--draft-vocab 3: give at least --top-k (4) tokens" in refused.err
+
+
 def state(out: Path) -> dict:
     return json.loads((out / "train_state.json").read_text())
 

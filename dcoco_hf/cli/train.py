@@ -72,6 +72,9 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
     p.add_argument("--num-anchors", type=int, default=16, help="blocks trained per record (default 16)")
     p.add_argument("--max-length", type=int, default=640, help="tokens of a record trained on (default 640)")
     p.add_argument("--save-steps", type=int, default=50, help="checkpoint every N steps (default 50)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="propose from the N tokens the target writes most in its answers (0: every token; default: "
+                   "every token up to a 65,536-token vocabulary, else 32,768)")
     p.add_argument("--tau-tokens", type=int, default=64, help="new tokens per held-out prompt for tau (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and training (default 0)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in training (GPUs)")
@@ -115,6 +118,9 @@ def check_train_arguments(args: argparse.Namespace) -> None:
             flag = "--" + option.replace("_", "-")
             raise CLIError(f"{flag} {getattr(args, option)}: give at least {minimum}"
                            + (" (with no answers there is nothing to train on)" if option == "answers" else ""))
+    if args.draft_vocab is not None and (args.draft_vocab < 0 or 0 < args.draft_vocab < args.top_k):
+        raise CLIError(f"--draft-vocab {args.draft_vocab}: give at least --top-k ({args.top_k}) tokens, or 0 for "
+                       "every token")
     if args.block_size < 2:
         raise CLIError(f"--block-size {args.block_size}: a block is the anchor plus at least one drafted token")
     if args.hours is not None and args.hours <= 0:

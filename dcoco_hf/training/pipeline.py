@@ -45,6 +45,9 @@ PHASES = ("prompts", "answers", "stage1", "stage2", "final")
 # --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
 TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
 STATE_FILE = "train_state.json"
+# Above LARGE_VOCAB tokens (Gemma's 262,144, Qwen's 151,936) the drafter's LM head costs most of a draft: by default it
+# proposes from the DRAFT_VOCAB tokens the target writes most, the size drafters of such targets use.
+LARGE_VOCAB, DRAFT_VOCAB = 65536, 32768
 
 
 @dataclass
@@ -73,6 +76,7 @@ class TrainRun:
     seed: int = 0
     bf16: bool = False
     tau_tokens: int = 64
+    draft_vocab: int | None = None  # None: `auto_draft_vocab` of the target's vocabulary; 0: every token
     # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
     evaluation: Sequence[str] = field(default=(), repr=False)
 
@@ -80,7 +84,7 @@ class TrainRun:
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "answers", "steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
         "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length", "save_steps",
-        "seed", "bf16", "tau_tokens"})
+        "seed", "bf16", "tau_tokens", "draft_vocab"})
 
     @property
     def data(self) -> Path:
@@ -234,7 +238,9 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
     `train_stage`, the code path of scripts/train_drafter.py."""
     deadline = run.deadline(f"stage{stage}")
     shape = {"layers": run.layers, "block_size": run.block_size, "top_k": run.top_k,
-             "target_layers_read": run.target_layers_read, "init_from_target": True} if stage == 1 else {
+             "target_layers_read": run.target_layers_read, "init_from_target": True,
+             "draft_vocab": auto_draft_vocab(target.config.vocab_size) if run.draft_vocab is None else run.draft_vocab,
+             } if stage == 1 else {
         "init": str(run.out / "stage1" / "final")}
     options = StageOptions(
         stage=stage, data=[run.data], output=run.out / f"stage{stage}", max_steps=run.steps, lr=run.lr,
@@ -243,6 +249,12 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
         max_minutes=None if deadline is None else max(deadline - time.time(), 1.0) / 60, **shape,  # > 0: a cap
     )
     train_stage(options, target, pad_token_id=padding_id(tokenizer))
+
+
+def auto_draft_vocab(vocab_size: int) -> int:
+    """The draft vocabulary `dcoco-hf train` gives a drafter by default: every token up to `LARGE_VOCAB` tokens,
+    else the `DRAFT_VOCAB` the target writes most (0: every token)."""
+    return DRAFT_VOCAB if vocab_size > LARGE_VOCAB else 0
 
 
 def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -294,7 +306,8 @@ tags:
 # DCOCO drafter for {target}
 
 A DFlash drafter with a DCOCO corrector, trained with `dcoco-hf train` on {records} answers that the target wrote
-itself ({cfg.num_hidden_layers} layer(s), blocks of up to {cfg.block_size} tokens, top-{cfg.top_k} corrector).
+itself ({cfg.num_hidden_layers} layer(s), blocks of up to {cfg.block_size} tokens, top-{cfg.top_k} corrector, proposing
+from {f"the {cfg.draft_vocab_size} tokens it writes most" if cfg.draft_vocab_size else "the whole vocabulary"}).
 Decoding with it is lossless: greedy outputs are the target's own.
 
 ```python

@@ -25,7 +25,7 @@ from ..runtime.block_choice import set_block_size
 from ..network.corrector import CorpusBigrams
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
-from .data import cache_target_features, load_shards
+from .data import cache_target_features, draft_vocabulary, load_shards
 from .trainer import DrafterCollator, DrafterTrainer, DrafterTrainingModel
 
 NEW_DRAFTER = {"layers": 1, "block_size": 16, "target_layers_read": 5, "top_k": 16}
@@ -69,6 +69,7 @@ class StageOptions:
     save_steps: int = 100
     seed: int = 0
     max_minutes: float | None = None
+    draft_vocab: int | None = None  # stage 1: propose from the N tokens the target writes most in the data
 
     @classmethod
     def from_namespace(cls, namespace: Any) -> StageOptions:
@@ -86,6 +87,8 @@ def train_stage(options: StageOptions, target: PreTrainedModel, pad_token_id: in
     drafter = build_drafter(options, target)
     loaded = read_data(options, target, drafter)
     records = [record for folder in options.data for record in loaded[Path(folder)]]
+    if options.draft_vocab and not options.init:  # a later stage keeps the vocabulary its drafter was saved with
+        set_draft_vocabulary_from(drafter, records, options.draft_vocab, target)
     if options.corpus_bigrams:  # counted once per folder: the counts are the corpus's, not the reading schedule's
         drafter.set_corpus_bigrams(CorpusBigrams.count(
             ((r["input_ids"], r["loss_mask"]) for folder_records in loaded.values() for r in folder_records),
@@ -142,6 +145,18 @@ def build_drafter(options: StageOptions, target: PreTrainedModel) -> DCOCODrafte
         num_target_layers_read=shape["target_layers_read"], init_from_target=options.init_from_target,
         corrector_type=options.corrector or "dcoco",
     )
+
+
+def set_draft_vocabulary_from(drafter: DCOCODrafter, records: list[dict], size: int, target: PreTrainedModel) -> None:
+    """Make `drafter` propose from the `size` tokens the target wrote most often in `records` (and its EOS ids):
+    over a vocabulary of hundreds of thousands, the drafter's LM head would cost most of a draft and of a training
+    step, while the target writes a few tens of thousands. Outputs cannot change: the target verifies every token."""
+    eos = target.generation_config.eos_token_id
+    always = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids, coverage = draft_vocabulary(records, target.config.vocab_size, size, always=always)
+    drafter.set_draft_vocabulary(ids)
+    log(f"draft vocabulary: the {ids.numel()} tokens the target writes most, {100 * coverage:.1f}% of the answer "
+        "tokens in the data")
 
 
 def read_data(options: StageOptions, target: PreTrainedModel, drafter: DCOCODrafter) -> dict[Path, list[dict]]:
