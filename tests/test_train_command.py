@@ -66,6 +66,23 @@ def test_a_draft_vocabulary_from_the_targets_answers_is_trained_and_saved(folder
     assert refused.code == 2 and "--draft-vocab 3: give at least --top-k (4) tokens" in refused.err
 
 
+def test_training_can_be_watched_checkpoint_by_checkpoint(folders, tmp_path):
+    """Each checkpoint measures held-out tau and slot acceptance (progress.jsonl, plotted as progress.png); the model
+    card records them and the wall time of every phase."""
+    out = tmp_path / "run"
+    result = run_cli(*train_argv(folders, out, steps=2), "--save-steps", "1")
+    assert result.code == 0, result.err[-2000:]
+    lines = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert [(line["stage"], line["step"]) for line in lines] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(line["tau"] >= 1 and len(line["chain_accept"]) == 3 for line in lines)
+    assert (out / "progress.png").stat().st_size > 1000
+    seconds = state(out)["seconds"]
+    assert list(seconds) == ["prompts", "answers", "stage1", "stage2", "final"] and all(v > 0 for v in seconds.values())
+    card = (out / "drafter" / "README.md").read_text()
+    assert "| stage1 |" in card and "| stage | step | tau | slot 1 | slot 2 | slot 3 |" in card
+    assert f"| 2 | 2 | {lines[-1]['tau']:.2f} |" in card
+
+
 def state(out: Path) -> dict:
     return json.loads((out / "train_state.json").read_text())
 

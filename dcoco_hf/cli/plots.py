@@ -56,6 +56,30 @@ def write_plots(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> list
     return paths
 
 
+def write_training_plot(progress: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """progress.png of a `dcoco-hf train` run: held-out tau and the first slots' chain acceptance at each checkpoint
+    (`training.pipeline.CheckpointProgress`), stage 2's steps after stage 1's."""
+    plt = _pyplot()
+    figure, (tau_axis, slot_axis) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"wspace": 0.3})
+    offset = max((line["step"] for line in progress if line["stage"] == 1), default=0)
+    steps = [line["step"] + (offset if line["stage"] == 2 else 0) for line in progress]
+    tau_axis.plot(steps, [line["tau"] for line in progress], marker="o")
+    tau_axis.set(xlabel="training step (stage 2 after stage 1)", ylabel="held-out tau", title="tau")
+    for slot in range(min(4, max(len(line["chain_accept"]) for line in progress))):
+        values = [line["chain_accept"][slot] if slot < len(line["chain_accept"]) else None for line in progress]
+        slot_axis.plot(steps, [float("nan") if v is None else v for v in values], marker="o", label=f"slot {slot + 1}")
+    slot_axis.set(xlabel="training step (stage 2 after stage 1)", ylabel="chain acceptance", ylim=(0, 1),
+                  title="slot accuracy")
+    slot_axis.legend()
+    if offset:
+        for axis in (tau_axis, slot_axis):
+            axis.axvline(offset, color="grey", linestyle=":")
+    path = Path(path)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
 def _speedup_tau(plt, report: dict[str, Any]):
     groups = {**report["suites"], "overall": report["methods"]}
     methods = list(report["methods"])
@@ -160,4 +184,4 @@ def _subtitle(report: dict[str, Any]) -> str:
     return f"{target}, {mode}, block {config.get('block_size', '?')}, {config.get('device', '?')}"
 
 
-__all__ = ["PLOT_FILES", "require_matplotlib", "write_plots"]
+__all__ = ["PLOT_FILES", "require_matplotlib", "write_plots", "write_training_plot"]

@@ -24,8 +24,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from ..assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
-from ..training.pipeline import TIME_SHARES, RunFolderError, RunState, TrainRun, train
+from ..training.pipeline import TIME_SHARES, RunFolderError, RunState, TrainRun, read_progress, train
 from .common import CLIError, check_model_path, parse_with_recipe
+from .plots import require_matplotlib, write_training_plot
 
 # The held-out prompt suites of a source checkout (scripts/prompts/*.jsonl): reported on, so never trained on.
 HELD_OUT_SUITES = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
@@ -104,7 +105,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CLIError(str(error)) from None
     print(f"drafter written to {folder} (model card: {folder / 'README.md'})")
+    plot_progress(run.out)
     return 0
+
+
+def plot_progress(out: Path) -> None:
+    """`<out>/progress.png` from the checkpoints' held-out measurements, where matplotlib is installed."""
+    progress = read_progress(out)
+    if not progress:
+        return
+    try:
+        require_matplotlib()
+    except ImportError as error:
+        log(f"no progress.png: {error}")
+        return
+    print(f"training progress plotted in {write_training_plot(progress, out / 'progress.png')}")
 
 
 def check_train_arguments(args: argparse.Namespace) -> None:

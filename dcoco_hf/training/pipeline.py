@@ -13,6 +13,7 @@ last Trainer checkpoint). The stages are `stages.train_stage`, the function `scr
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shlex
@@ -24,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, TrainerCallback
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..runtime.block_choice import block_size_for_call
@@ -38,13 +39,14 @@ from .data import (
     self_instruct_prompts,
 )
 from .prompt_sources import dataset_card, library_code_prompts, prepare_prompts, task_prompts
-from .retarget import measure_tau
+from .retarget import held_out_stats, measure_tau
 from .stages import StageOptions, train_stage
 
 PHASES = ("prompts", "answers", "stage1", "stage2", "final")
 # --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
 TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
 STATE_FILE = "train_state.json"
+PROGRESS_FILE = "progress.jsonl"
 # Above LARGE_VOCAB tokens (Gemma's 262,144, Qwen's 151,936) the drafter's LM head costs most of a draft: by default it
 # proposes from the DRAFT_VOCAB tokens the target writes most, the size drafters of such targets use.
 LARGE_VOCAB, DRAFT_VOCAB = 65536, 32768
@@ -113,6 +115,7 @@ class RunState:
     options: dict[str, Any] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
     ran: list[list[str]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time each phase took, resumed runs summed
 
     @classmethod
     def open(cls, run: TrainRun) -> RunState:
@@ -159,7 +162,9 @@ def train(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizer
             continue
         state.ran[-1].append(phase)
         state.save(run.out)
+        started = time.time()
         steps[phase]()
+        state.seconds[phase] = state.seconds.get(phase, 0.0) + time.time() - started
         state.finished.append(phase)
         state.save(run.out)
     return run.out / "drafter"
@@ -248,7 +253,51 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
         save_steps=run.save_steps, seed=run.seed,
         max_minutes=None if deadline is None else max(deadline - time.time(), 1.0) / 60, **shape,  # > 0: a cap
     )
-    train_stage(options, target, pad_token_id=padding_id(tokenizer))
+    held_out = json.loads((run.data / "held_out.json").read_text())
+    progress = CheckpointProgress(run.out / PROGRESS_FILE, stage, target,
+                                  [prompt_input_ids(tokenizer, p) for p in held_out], run.tau_tokens)
+    train_stage(options, target, pad_token_id=padding_id(tokenizer), callbacks=[progress] if held_out else [])
+
+
+class CheckpointProgress(TrainerCallback):
+    """At every checkpoint, the drafter as it stands on the held-out prompts (whole blocks every cycle, greedy):
+    tau and each slot's chain acceptance (the share accepted of the cycles that reached it, the slot accuracy that
+    counts), one JSON line of `<out>/progress.jsonl` per checkpoint, so a run can be watched as it trains."""
+
+    def __init__(self, path: Path, stage: int, target: PreTrainedModel, prompts: list[torch.LongTensor],
+                 max_new_tokens: int) -> None:
+        self.path, self.stage, self.target, self.prompts, self.max_new_tokens = (
+            path, stage, target, prompts, max_new_tokens)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero or model is None:
+            return control
+        drafter = copy.deepcopy(getattr(model, "module", model).drafter).eval().attach(self.target, tune=False)
+        drafter.generation_config.num_assistant_tokens_schedule = "constant"  # the copy's: measures the drafter
+        try:
+            stats = held_out_stats(self.target, drafter, self.prompts, self.max_new_tokens)
+        finally:
+            drafter.detach()
+        line = {"stage": self.stage, "step": state.global_step, "tau": round(stats.tau, 4),
+                "chain_accept": [None if a is None else round(a, 4) for a in stats.chain_accept()],
+                "time": round(time.time(), 1)}
+        with self.path.open("a") as file:
+            file.write(json.dumps(line) + "\n")
+        return control
+
+
+def read_progress(out: Path) -> list[dict[str, Any]]:
+    """The checkpoints' held-out measurements of a run (`CheckpointProgress`), oldest first; a line cut short by a
+    kill is skipped."""
+    path = Path(out) / PROGRESS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    progress = []
+    for line in lines:
+        try:
+            progress.append(json.loads(line))
+        except ValueError:
+            continue
+    return progress
 
 
 def auto_draft_vocab(vocab_size: int) -> int:
@@ -268,7 +317,41 @@ def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     folder = run.out / "drafter"
     drafter.save_pretrained(folder)
     records = len(load_shards(run.data))
-    (folder / "README.md").write_text(model_card(run, drafter, taus, len(held_out), records))
+    seconds = json.loads((run.out / STATE_FILE).read_text()).get("seconds", {})
+    card = model_card(run, drafter, taus, len(held_out), records) + training_section(seconds, read_progress(run.out))
+    (folder / "README.md").write_text(card)
+
+
+def training_section(seconds: dict[str, float], progress: list[dict[str, Any]]) -> str:
+    """The model card's record of the run: the wall time of each phase on the machine that ran it, and the held-out
+    tau and slot acceptance at each checkpoint (`CheckpointProgress`)."""
+    times = "\n".join(f"| {phase} | {value / 60:.1f} |" for phase, value in seconds.items())
+    slots = max((len(line["chain_accept"]) for line in progress), default=0)
+    shown = min(slots, 4)
+    header = "| stage | step | tau | " + " | ".join(f"slot {i + 1}" for i in range(shown)) + " |"
+    rule = "| --- | --- | --- | " + " | ".join("---" for _ in range(shown)) + " |"
+    rows = "\n".join(
+        f"| {line['stage']} | {line['step']} | {line['tau']:.2f} | "
+        + " | ".join("-" if a is None else f"{a:.2f}" for a in (line["chain_accept"] + [None] * shown)[:shown]) + " |"
+        for line in progress
+    )
+    checkpoints = f"""
+Held-out tau and each slot's chain acceptance (the share accepted of the cycles that reached it) at every checkpoint,
+whole blocks, greedy (`progress.jsonl` of the run; `dcoco-hf train` plots it as `progress.png`):
+
+{header}
+{rule}
+{rows}
+""" if progress else ""
+    return f"""
+## Training
+
+Wall time per phase on the machine that trained it:
+
+| phase | minutes |
+| --- | --- |
+{times}
+{checkpoints}"""
 
 
 @torch.no_grad()

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..runtime.stats import DCOCOStats
+
 if TYPE_CHECKING:  # peft loads lazily: `import dcoco_hf.training` stays light
     from peft import LoraConfig
 
@@ -49,14 +51,20 @@ def measure_tau(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.L
 
 def _measure_tau(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.LongTensor], max_new_tokens: int
                  ) -> float:
-    committed = forwards = 0
+    return held_out_stats(target, drafter, prompts_ids, max_new_tokens).tau
+
+
+def held_out_stats(target: nn.Module, drafter: nn.Module, prompts_ids: list[torch.LongTensor], max_new_tokens: int
+                   ) -> DCOCOStats:
+    """The summed statistics (tau, per-slot chain acceptance) of greedy assisted generation over prompts, with the
+    drafter's own schedule (`measure_tau` sets the constant one)."""
+    total = DCOCOStats()
     for ids in prompts_ids:
         ids = ids.long().view(1, -1).to(target.device)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                               do_sample=False, assistant_model=drafter)
-        stats = drafter.generation_stats(out)
-        committed, forwards = committed + stats.committed_tokens, forwards + stats.target_forwards
-    return committed / max(forwards, 1)
+        total = total + drafter.generation_stats(out)
+    return total
 
 
-__all__ = ["BACKBONE_LINEARS", "CORRECTOR_LINEARS", "lora_config_for_drafter", "measure_tau"]
+__all__ = ["BACKBONE_LINEARS", "CORRECTOR_LINEARS", "held_out_stats", "lora_config_for_drafter", "measure_tau"]

@@ -78,11 +78,13 @@ class StageOptions:
         return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)})
 
 
-def train_stage(options: StageOptions, target: PreTrainedModel, pad_token_id: int | None = None) -> Path:
+def train_stage(options: StageOptions, target: PreTrainedModel, pad_token_id: int | None = None,
+                callbacks: Sequence[TrainerCallback] = ()) -> Path:
     """Train one stage into `options.output` (resuming from its last checkpoint) and export `<output>/final`.
 
     `pad_token_id` right-pads batches (masked out, so any id is correct; default: the target's generation config
-    pad, else 0). Raises ValueError for options that do not fit the drafter or the data. Returns the final folder.
+    pad, else 0); `callbacks` join the Trainer's (e.g. held-out measurements at each checkpoint). Raises ValueError
+    for options that do not fit the drafter or the data. Returns the final folder.
     """
     drafter = build_drafter(options, target)
     loaded = read_data(options, target, drafter)
@@ -104,7 +106,7 @@ def train_stage(options: StageOptions, target: PreTrainedModel, pad_token_id: in
     trainer = DrafterTrainer(
         model=model, args=training_arguments(options), train_dataset=records,
         data_collator=DrafterCollator(pad_token_id=pad, max_length=options.max_length),
-        callbacks=[TimeBudget(options.max_minutes)] if options.max_minutes else None,
+        callbacks=[*callbacks, *([TimeBudget(options.max_minutes)] if options.max_minutes else [])],
     )
     start = time.time()
     last = get_last_checkpoint(str(output)) if output.exists() else None
