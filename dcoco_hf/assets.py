@@ -395,10 +395,11 @@ def _convert_gguf(target: KnownTarget, gguf_dir: Path, out_dir: Path) -> None:
 
 
 def _gguf_tokenizer(gguf_path: Path, vocab: GGUFVocabulary) -> PreTrainedTokenizerBase:
-    """The target's tokenizer. A SentencePiece vocabulary (Gemma's) is built from the GGUF metadata by
-    :func:`dcoco_hf.gguf_tokenizer.sentencepiece_tokenizer`, because transformers' rebuild splits whitespace runs
-    longer than the longest whitespace token differently from SentencePiece; a byte-level one is transformers'."""
-    if vocab.model == "llama":
+    """The target's tokenizer. A SentencePiece vocabulary without a dummy prefix (Gemma's) is built from the GGUF
+    metadata by :func:`dcoco_hf.gguf_tokenizer.sentencepiece_tokenizer`, because transformers' rebuild splits
+    whitespace runs longer than the longest whitespace token differently from SentencePiece; any other is
+    transformers' (and a SentencePiece one is still checked against the reference)."""
+    if vocab.model == "llama" and not vocab.add_space_prefix:
         return sentencepiece_tokenizer(vocab)
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 

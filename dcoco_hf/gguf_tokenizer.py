@@ -1,9 +1,11 @@
-"""A small reference tokenizer read from a GGUF file's own metadata, to check the tokenizer transformers builds.
+"""A small reference tokenizer read from a GGUF file's own metadata, and a transformers tokenizer built by its rules.
 
 transformers rebuilds a GGUF model's tokenizer from the vocabulary the file stores, and for Gemma that rebuild has
-been reported wrong (transformers#41494): a target whose tokenizer splits text differently from the one the model
-was trained with still runs, but on inputs it never saw. So before a GGUF target is cached, ``assets.py`` compares
-transformers' ids with the ones this module computes straight from the metadata, on :func:`probe_strings`.
+been wrong before (transformers#41494) and still splits long whitespace runs unlike SentencePiece (see
+:func:`sentencepiece_tokenizer`): a target whose tokenizer splits text differently from the one the model was
+trained with still runs, but on inputs it never saw. So ``assets.py`` saves the tokenizer
+:func:`sentencepiece_tokenizer` builds, and before the target is cached compares the saved tokenizer's ids with the
+ones :class:`ReferenceTokenizer` computes straight from the metadata, on :func:`probe_strings`.
 
 Only SentencePiece vocabularies (``tokenizer.ggml.model == "llama"``, Gemma's) are covered, with SentencePiece's
 BPE rules: spaces become ``▁`` (after a dummy ``▁`` in front when ``tokenizer.ggml.add_space_prefix`` says so),
@@ -184,8 +186,8 @@ class ReferenceTokenizer:
 
 
 def _merges_by_score(vocab: GGUFVocabulary) -> list[tuple[str, str]]:
-    """Every split of every normal token into two normal tokens, the best-scoring result first: a BPE that applies
-    the lowest-ranked merge first then merges as SentencePiece does, by the score of the merged piece."""
+    """The merges with which a rank-ordered BPE (``tokenizers``) reproduces SentencePiece's merge by score: every
+    split of every normal token into two normal tokens, ordered by the merged token's score, best first."""
     normal = {t for t, kind in zip(vocab.tokens, vocab.token_types) if kind == NORMAL}
     ranked = sorted((i for i, kind in enumerate(vocab.token_types) if kind == NORMAL), key=lambda i: -vocab.scores[i])
     return [
@@ -203,11 +205,15 @@ def sentencepiece_tokenizer(vocab: GGUFVocabulary) -> PreTrainedTokenizerFast:
     merges them by rank, so a run longer than the longest token splits differently from SentencePiece (36 spaces:
     16 + 20 instead of 31 + 5, and a word after 32 spaces loses its "▁"). Here every user-defined and control
     token keeps its own spelling and is matched whole before normalisation, as SentencePiece's prefix matcher does;
-    the rest is ``▁``-normalised and merged by score, with byte fallback.
+    the rest is ``▁``-normalised and merged by score (by rank when the file lists merges), with byte fallback.
     """
     if vocab.model != "llama":
         raise ValueError(f"only SentencePiece vocabularies (tokenizer.ggml.model 'llama') are built here, not "
                          f"{vocab.model!r}")
+    if vocab.add_space_prefix:
+        # SentencePiece puts "▁" once in front of the whole text, even one starting with a space; a normalizer would
+        # put it after every whole-matched token and tokenizers' Metaspace skips it before a leading space.
+        raise ValueError("a vocabulary with tokenizer.ggml.add_space_prefix is not built here (Gemma's has none)")
     if len(set(vocab.tokens)) != len(vocab.tokens):
         raise ValueError("the GGUF vocabulary spells two tokens the same")
 
@@ -215,14 +221,13 @@ def sentencepiece_tokenizer(vocab: GGUFVocabulary) -> PreTrainedTokenizerFast:
         return None if token_id is None else vocab.tokens[token_id]
 
     model = models.BPE(
-        vocab={token: i for i, token in enumerate(vocab.tokens)}, merges=_merges_by_score(vocab),
+        vocab={token: i for i, token in enumerate(vocab.tokens)},
+        merges=[tuple(m.split(" ", 1)) for m in vocab.merges] or _merges_by_score(vocab),
         unk_token=name(vocab.unk_id), byte_fallback=True, fuse_unk=True,
     )
     backend = Tokenizer(model)
-    prefix = [normalizers.Prepend(SPACE)] if vocab.add_space_prefix else []
-    backend.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", SPACE)])
-    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []))
+    backend.normalizer = normalizers.Replace(" ", SPACE)  # applied between whole-matched tokens
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     kinds = vocab.token_types
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, kind in zip(vocab.tokens, kinds) if kind == CONTROL]
@@ -318,13 +323,9 @@ def probe_strings() -> list[str]:
 
 
 def tokenizer_mismatches(tokenizer: object, reference: ReferenceTokenizer, strings: Sequence[str]) -> list[str]:
-    """One line per problem: a string whose Hugging Face ids differ from the reference's, or which either tokenizer
-    does not decode back to itself (BOS left out, control tokens kept); empty when all agree."""
-    bos_id = reference.vocab.bos_id
-
-    def without_bos(ids: list[int]) -> list[int]:
-        return ids[1:] if ids and ids[0] == bos_id else ids
-
+    """One line per problem: a string whose Hugging Face ids differ from the reference's (BOS / EOS included), or
+    which either tokenizer does not decode back to itself (encoded without BOS / EOS, decoded keeping control
+    tokens); empty when all agree."""
     problems = []
     for text in strings:
         ours = reference.encode(text)
@@ -332,8 +333,9 @@ def tokenizer_mismatches(tokenizer: object, reference: ReferenceTokenizer, strin
         if theirs != ours:
             problems.append(f"{text!r}: transformers {theirs[:16]} vs reference {ours[:16]}")
         decoded = {
-            "reference": reference.decode(without_bos(ours), skip_special_tokens=False),
-            "transformers": tokenizer.decode(without_bos(theirs), skip_special_tokens=False),
+            "reference": reference.decode(reference.encode(text, add_special_tokens=False), skip_special_tokens=False),
+            "transformers": tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"],
+                                             skip_special_tokens=False),
         }
         problems += [f"{text!r}: {name} decodes it to {back!r}" for name, back in decoded.items() if back != text]
     return problems

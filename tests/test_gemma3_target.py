@@ -87,9 +87,9 @@ class _ShiftedTokenizer:
     def __init__(self, reference: ReferenceTokenizer) -> None:
         self.reference = reference
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        ids = self.reference.encode(text)
-        return {"input_ids": [0, 8, 7] if text == "abc" else ids}
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = self.reference.encode(text, add_special_tokens)
+        return {"input_ids": [0, 8, 7] if text == "abc" and add_special_tokens else ids}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.reference.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -101,16 +101,23 @@ def test_tokenizer_mismatches_names_the_strings_that_differ() -> None:
     assert len(problems) == 1 and problems[0].startswith("'abc': transformers [0, 8, 7] vs reference [0, 5, 9]")
 
 
-def test_built_tokenizer_follows_the_reference(tmp_path: Path) -> None:
-    vocab = tiny_vocabulary(pad_id=2)
+@pytest.mark.parametrize("changes", [{}, {"add_eos": True}, {"merges": ["a b", "b c"]}])
+def test_built_tokenizer_follows_the_reference(tmp_path: Path, changes: dict) -> None:
+    vocab = tiny_vocabulary(pad_id=2, **changes)
     tokenizer = sentencepiece_tokenizer(vocab)
     tokenizer.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     reference = ReferenceTokenizer(vocab)
     strings = ["abc", " ab", "aé", "a\n\nb", "<eos>a", "", "\n\n\n", "cab abc"]
     assert tokenizer_mismatches(reloaded, reference, strings) == []
-    assert reloaded("abc")["input_ids"] == [0, 5, 9]  # <bos>, a, bc: the merge by score, not by position
+    if not changes:
+        assert reloaded("abc")["input_ids"] == [0, 5, 9]  # <bos>, a, bc: the merge by score, not by position
     assert (reloaded.bos_token, reloaded.eos_token, reloaded.pad_token) == ("<bos>", "<eos>", "<unk>")
+
+
+def test_built_tokenizer_refuses_a_dummy_prefix() -> None:
+    with pytest.raises(ValueError, match="add_space_prefix"):
+        sentencepiece_tokenizer(tiny_vocabulary(add_space_prefix=True))
 
 
 def test_probe_strings_cover_the_kinds_of_text() -> None:
