@@ -23,7 +23,7 @@ from dcoco_hf.training.data import draft_vocabulary, load_shards
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="drafter folder")
-    parser.add_argument("--data", type=Path, nargs="+", required=True, help="training data folders (shard-*.pt)")
+    parser.add_argument("--data", type=Path, nargs="+", required=True, help="training data folders (shard-* files)")
     parser.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary (0: whole vocabulary)")
     parser.add_argument("--output", type=Path, required=True, help="folder to save the drafter to (may be --drafter)")
     parser.add_argument("--target", default=None, help="target folder or Hub id, for its end-of-turn ids")

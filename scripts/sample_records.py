@@ -18,7 +18,7 @@ import random
 import re
 from pathlib import Path
 
-from dcoco_hf.training.data import load_shards, save_shard
+from dcoco_hf.training.data import load_shards, save_shard, shard_path
 
 
 def sampled_indices(total: int, count: int, seed: int, exclude: set[int]) -> list[int]:
@@ -42,7 +42,7 @@ def write_sample(source: Path, records: list[dict], output: Path, indices: list[
         raise SystemExit(f"{output}: record {max(indices)} is not in {source} ({len(records)} records); regenerate "
                          "the answer set that list was drawn from")
     output.mkdir(parents=True, exist_ok=True)
-    save_shard([records[index] for index in indices], output / "shard-00000.pt")
+    save_shard([records[index] for index in indices], shard_path(output, 0))
     (output / "SOURCE.txt").write_text(f"{len(indices)} records {note} from {source}: {indices}\n")
     print(f"{output}: {len(indices)} of {len(records)} records")
 
@@ -50,8 +50,8 @@ def write_sample(source: Path, records: list[dict], output: Path, indices: list[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from-list", type=Path, help="JSON {output folder: {source, indices}}: rebuild every folder")
-    p.add_argument("--source", type=Path, help="a regenerated data folder (shard-*.pt) to sample")
-    p.add_argument("--output", type=Path, help="the folder to write (shard-00000.pt and SOURCE.txt)")
+    p.add_argument("--source", type=Path, help="a regenerated data folder (shard-* files) to sample")
+    p.add_argument("--output", type=Path, help="the folder to write (shard-00000.safetensors and SOURCE.txt)")
     p.add_argument("--count", type=int, help="records to sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exclude", type=Path, nargs="*", default=[], help="sampled folders whose records to leave out")

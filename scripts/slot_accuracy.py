@@ -60,7 +60,7 @@ def held_out_answers(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="drafter folder")
-    parser.add_argument("--data", type=Path, nargs="+", required=True, help="training data folders (shard-*.pt)")
+    parser.add_argument("--data", type=Path, nargs="+", required=True, help="training data folders (shard-* files)")
     parser.add_argument("--limit", type=int, default=5, help="records per data folder and prompts per suite")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None,

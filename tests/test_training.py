@@ -20,7 +20,7 @@ from dcoco_hf.training import (
     target_context,
     transition_labels,
 )
-from dcoco_hf.training.data import cache_target_features, load_shards, save_shard
+from dcoco_hf.training.data import cache_target_features, load_shards, read_shard, save_shard, shard_path
 from dcoco_hf.training.losses import dcoco_loss, successor_loss
 from dcoco_hf.training.objective import drafter_loss, successor_accuracy
 from dcoco_hf.training.trainer import (
@@ -204,7 +204,7 @@ def test_cached_features_of_changed_data_are_refused(tmp_path):
 
     def shard(n: int) -> None:
         ids = torch.randint(0, VOCAB, (n,), generator=generator).to(torch.int32)
-        torch.save([{"input_ids": ids, "loss_mask": torch.ones(n, dtype=torch.bool)}], tmp_path / "shard-00000.pt")
+        save_shard([{"input_ids": ids, "loss_mask": torch.ones(n, dtype=torch.bool)}], shard_path(tmp_path, 0))
 
     shard(6)
     cache_target_features(target, [1], tmp_path, tmp_path / "features")
@@ -212,7 +212,9 @@ def test_cached_features_of_changed_data_are_refused(tmp_path):
     (tmp_path / "features" / "shard-00000.source-sha256").unlink()  # a cache from before fingerprints: checked once
     cache_target_features(target, [1], tmp_path, tmp_path / "features")
     assert (tmp_path / "features" / "shard-00000.source-sha256").exists()
-    save_shard(torch.load(tmp_path / "shard-00000.pt"), tmp_path / "shard-00000.pt")  # same records, other bytes
+    records = read_shard(shard_path(tmp_path, 0))
+    shard_path(tmp_path, 0).unlink()
+    torch.save(records, tmp_path / "shard-00000.pt")  # same records, other bytes (an older folder's format)
     cache_target_features(target, [1], tmp_path, tmp_path / "features")
     shard(7)  # the data folder regenerated under the same name
     with pytest.raises(ValueError, match="other records"):
@@ -223,8 +225,8 @@ def test_a_saved_shard_loads_as_the_same_records_with_one_storage_per_field(tmp_
     generator = torch.Generator().manual_seed(0)
     records = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32),
                 "loss_mask": torch.rand(n, generator=generator) > 0.5} for n in (3, 9, 1, 5)]
-    save_shard(records, tmp_path / "shard-00000.pt")
-    loaded = torch.load(tmp_path / "shard-00000.pt")
+    save_shard(records, shard_path(tmp_path, 0))
+    loaded = read_shard(shard_path(tmp_path, 0))
     assert [r.keys() for r in loaded] == [r.keys() for r in records]
     for got, want in zip(loaded, records, strict=True):
         for name in want:
@@ -327,14 +329,14 @@ def test_corrector_only_training_keeps_the_backbone(tmp_path):
 def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp_path):
     from test_cli import tiny_tokenizer
 
-    from dcoco_hf.training.data import regenerate
+    from dcoco_hf.training.data import regenerate, shard_paths
 
     target, tokenizer = make_target("llama"), tiny_tokenizer()
     tokenizer.pad_token = "<unk>"
     prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(5)]
     common = dict(max_new_tokens=4, batch_size=2, shard_size=2)
     regenerate(target, tokenizer, prompts, tmp_path, max_shards=2, **common)
-    assert sorted(path.name for path in tmp_path.glob("shard-*.pt")) == ["shard-00000.pt", "shard-00001.pt"]
+    assert [path.name for path in shard_paths(tmp_path)] == ["shard-00000.safetensors", "shard-00001.safetensors"]
     first = load_shards(tmp_path)
     regenerate(target, tokenizer, prompts, tmp_path, **common)
     records = load_shards(tmp_path)
@@ -560,3 +562,26 @@ def test_shards_load_tensors_only(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_shards(tmp_path)
     assert not _Planted.ran
+
+
+def test_shards_are_safetensors_and_older_pt_shards_still_read(tmp_path):
+    """Records are written in a format that runs no code when loaded; a folder from before keeps its .pt shards,
+    read with weights_only=True, beside new ones, in index order."""
+    from safetensors import safe_open
+
+    from dcoco_hf.training.data import shard_done, shard_paths
+
+    records = [{"input_ids": torch.arange(n), "loss_mask": torch.arange(n) % 2 == 0,
+                "context_states": torch.randn(n, 3).to(torch.bfloat16), "target_argmax": torch.arange(n).int()}
+               for n in (4, 1, 6)]
+    save_shard(records, shard_path(tmp_path, 1))
+    with safe_open(str(shard_path(tmp_path, 1)), "pt") as file:
+        assert set(file.keys()) == {f"{name}{suffix}" for name in records[0] for suffix in ("", ".lengths")}
+    torch.save(records[:1], tmp_path / "shard-00000.pt")  # an older folder's first shard
+    assert [p.name for p in shard_paths(tmp_path)] == ["shard-00000.pt", "shard-00001.safetensors"]
+    assert shard_done(tmp_path, 0) and shard_done(tmp_path, 1) and not shard_done(tmp_path, 2)
+    loaded = load_shards(tmp_path)
+    assert len(loaded) == 4
+    for got, expected in zip(loaded, records[:1] + records):
+        assert all(torch.equal(got[k], expected[k]) and got[k].dtype == expected[k].dtype for k in expected)
+    assert read_shard(shard_path(tmp_path, 1))[2]["context_states"].shape == (6, 3)

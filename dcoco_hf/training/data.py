@@ -18,8 +18,9 @@ the text follows that greedy path), so we also build chat records whose assistan
 * the real source of those same stdlib functions, answering their "complete the function" prompt;
 * the Python reference documentation (`pydoc_data.topics`), answering "explain this Python topic".
 
-Data is written in shards (`shard-00000.pt`, a list of {"input_ids", "loss_mask"} dicts), so generation resumes
-where it stopped and training streams shards.
+Data is written in shards (`shard-00000.safetensors`: records of {"input_ids", "loss_mask"}, a format that runs no
+code when loaded; older folders' `shard-*.pt` are read with `weights_only=True`), so generation resumes where it
+stopped and training streams shards.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
@@ -188,15 +190,14 @@ def teacher_forced_shards(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for index, shard in enumerate(tqdm(list(_batches(pairs, shard_size)), desc="text records", unit="shard")):
-        path = out_dir / f"shard-{index:05d}.pt"
-        if path.exists():
+        if shard_done(out_dir, index):
             continue
         records = []
         for user, assistant in shard:
             prompt = chat_input_ids(tokenizer, user)[0]
             answer = tokenizer(assistant, add_special_tokens=False, return_tensors="pt").input_ids[0]
             records.append(_record(prompt, answer[: max(0, max_length - len(prompt))]))
-        save_shard(records, path)
+        save_shard(records, shard_path(out_dir, index))
     return out_dir
 
 
@@ -310,12 +311,11 @@ def regenerate(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "prompts.json").write_text(json.dumps(prompts))
     shards = list(_batches(prompts, shard_size))[:max_shards]
-    done = [(out_dir / f"shard-{index:05d}.pt").exists() for index in range(len(shards))]
+    done = [shard_done(out_dir, index) for index in range(len(shards))]
     progress = tqdm(total=sum(map(len, shards)), initial=sum(len(s) for s, d in zip(shards, done) if d),
                     desc="answers", unit="answer")
     start, tokens = time.time(), 0
     for index, shard in enumerate(shards):
-        path = out_dir / f"shard-{index:05d}.pt"
         if done[index]:
             continue
         encoded = sorted((prompt_input_ids(tokenizer, p)[0] for p in shard), key=len)
@@ -329,7 +329,7 @@ def regenerate(
                 tokens += len(response)
             progress.update(len(batch))
             progress.set_postfix_str(f"{tokens / max(time.time() - start, 1e-9):.1f} tokens/s")
-        save_shard(records, path)
+        save_shard(records, shard_path(out_dir, index))
         if deadline is not None and time.time() >= deadline:  # checked after a shard: each call adds at least one
             break
     progress.close()
@@ -344,27 +344,63 @@ def prompt_input_ids(tokenizer, prompt: str) -> torch.LongTensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"].long()
 
 
-def save_shard(records: list[dict[str, torch.Tensor]], path: str | Path) -> None:
-    """Write `records` to `path` atomically, each field of every record a view into one tensor per field.
+SHARD_SUFFIX = ".safetensors"
+_LENGTHS = ".lengths"  # beside each field: every record's length along dim 0
 
-    torch.save stores one zip entry per storage, so a shard of 64 records packed this way holds 2 entries instead of
-    128 and is about a quarter smaller; torch.load returns the same records.
-    """
+
+def shard_path(folder: str | Path, index: int) -> Path:
+    """Where shard `index` of a data folder is written."""
+    return Path(folder) / f"shard-{index:05d}{SHARD_SUFFIX}"
+
+
+def shard_paths(folder: str | Path) -> list[Path]:
+    """A data folder's shards in order: safetensors ones, and `.pt` ones of older folders (read with
+    `weights_only=True`); where an index has both, the safetensors one."""
+    found: dict[str, Path] = {}
+    for path in sorted(Path(folder).glob("shard-*.pt")) + sorted(Path(folder).glob(f"shard-*{SHARD_SUFFIX}")):
+        found[path.stem] = path
+    return [found[stem] for stem in sorted(found)]
+
+
+def shard_done(folder: str | Path, index: int) -> bool:
+    """Whether shard `index` is on disk, in either format."""
+    return shard_path(folder, index).exists() or shard_path(folder, index).with_suffix(".pt").exists()
+
+
+def save_shard(records: list[dict[str, torch.Tensor]], path: str | Path) -> None:
+    """Write `records` to `path` atomically as safetensors, a format that runs no code when loaded: per field, the
+    records' tensors concatenated along dim 0 and their lengths (`read_shard` splits them back)."""
     names = list(records[0]) if records else []
-    columns = {name: torch.cat([r[name] for r in records]).split([len(r[name]) for r in records]) for name in names}
-    packed = [{name: columns[name][row] for name in names} for row in range(len(records))]
+    tensors = {}
+    for name in names:
+        tensors[name] = torch.cat([r[name] for r in records]).contiguous()
+        tensors[name + _LENGTHS] = torch.tensor([len(r[name]) for r in records], dtype=torch.long)
     path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    torch.save(packed, tmp)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "dcoco-hf records"})
     tmp.rename(path)
+
+
+def read_shard(path: str | Path) -> list[dict[str, torch.Tensor]]:
+    """The records of one shard: safetensors (`save_shard`), or an older folder's `.pt` list of dicts, loaded with
+    `weights_only=True` (tensors and containers only: no code runs)."""
+    path = Path(path)
+    if path.suffix == ".pt":
+        return torch.load(path, weights_only=True)
+    tensors = load_file(str(path))
+    names = [name for name in tensors if not name.endswith(_LENGTHS)]
+    columns = {name: tensors[name].split(tensors[name + _LENGTHS].tolist()) for name in names}
+    count = len(next(iter(columns.values()))) if columns else 0
+    return [{name: columns[name][row] for name in names} for row in range(count)]
 
 
 def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
     """All records of a regenerated data folder, in shard order."""
-    paths = sorted(Path(data_dir).glob("shard-*.pt"))
+    paths = shard_paths(data_dir)
     if not paths:
-        raise FileNotFoundError(f"No shard-*.pt files in {data_dir}; run scripts/regenerate_data.py first.")
-    return [record for path in paths for record in torch.load(path, weights_only=True)]
+        raise FileNotFoundError(f"No shard-* files in {data_dir}: write them with `dcoco-hf train` (or "
+                                "scripts/regenerate_data.py) first.")
+    return [record for path in paths for record in read_shard(path)]
 
 
 def draft_vocabulary(
@@ -436,12 +472,13 @@ def cache_target_features(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path in tqdm(sorted(Path(data_dir).glob("shard-*.pt")), desc="target features", unit="shard"):
-        destination = out_dir / path.name
-        if destination.exists():
-            _check_cached_source(path, destination)
+    for path in tqdm(shard_paths(data_dir), desc="target features", unit="shard"):
+        destination = out_dir / (path.stem + SHARD_SUFFIX)
+        legacy = destination.with_suffix(".pt")
+        if destination.exists() or legacy.exists():
+            _check_cached_source(path, destination if destination.exists() else legacy)
             continue
-        records = torch.load(path, weights_only=True)
+        records = read_shard(path)
         for batch in _length_batches(records, batch_tokens):
             lengths = [len(record["input_ids"]) for record in batch]
             ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
@@ -453,10 +490,8 @@ def cache_target_features(
             for row, record in enumerate(batch):
                 record["context_states"] = states[row, : lengths[row]].to(dtype)
                 record["target_argmax"] = argmax[row, : lengths[row]].to(torch.int32)
-        tmp = destination.with_suffix(".tmp")
-        torch.save(records, tmp)
         _fingerprint_file(destination).write_text(_fingerprint(path))
-        tmp.rename(destination)
+        save_shard(records, destination)
     return out_dir
 
 
@@ -474,7 +509,7 @@ def _check_cached_source(source: Path, cached: Path) -> None:
     stamp = _fingerprint_file(cached)
     same = stamp.exists() and stamp.read_text() == _fingerprint(source)
     if not same:  # never stamped, or the shard file was rewritten (e.g. repacked): compare the token ids once
-        old, new = torch.load(cached, weights_only=True), torch.load(source, weights_only=True)
+        old, new = read_shard(cached), read_shard(source)
         same = len(old) == len(new) and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(old, new))
         if same:
             stamp.write_text(_fingerprint(source))

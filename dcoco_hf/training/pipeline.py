@@ -6,7 +6,7 @@ last Trainer checkpoint). The stages are `stages.train_stage`, the function `scr
 
     <out>/data/prompts.json, held_out.json   the training prompts and the held-out ones tau is measured on
     <out>/data/README.md                     their dataset card: sources, duplicates and evaluation overlaps dropped
-    <out>/data/shard-*.pt                    the target's greedy answers (token ids + response mask)
+    <out>/data/shard-*.safetensors           the target's greedy answers (token ids + response mask)
     <out>/stage1, <out>/stage2               Trainer checkpoints, each stage's drafter in final/
     <out>/drafter                            the result: weights, code, config (auto_map), generation_config, README
 """
