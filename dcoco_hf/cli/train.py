@@ -63,7 +63,7 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
     p.add_argument("--held-out", type=int, default=8,
                    help="prompts kept out of training, on which the final tau is measured (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="tokens per answer (default 192)")
-    p.add_argument("--answer-batch-size", type=int, default=16, help="prompts answered per generate call (default 16)")
+    p.add_argument("--answer-batch-size", type=int, default=64, help="prompts answered per generate call (default 64)")
     p.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
     p.add_argument("--block-size", type=int, default=8, help="anchor + mask slots drafted per block (default 8)")
     p.add_argument("--top-k", type=int, default=16, help="corrector candidates per slot (default 16)")
