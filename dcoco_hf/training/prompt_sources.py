@@ -35,6 +35,9 @@ from ..runtime.prompts import HUMANEVAL_TEMPLATE
 # modules, minutes of imports).
 LIBRARIES = ("numpy", "sympy", "networkx", "jinja2", "yaml", "packaging", "tqdm", "filelock", "fsspec", "mpmath",
              "markupsafe", "regex", "requests", "urllib3", "idna", "certifi", "safetensors", "huggingface_hub")
+# Submodules never imported for prompts: test suites, and modules that print or open something when imported
+# (`sympy.this` prints its Zen, as the standard library's `this` does).
+_SKIPPED_SUBMODULES = {"tests", "testing", "conftest", "benchmarks", "this", "antigravity"}
 # A prompt sharing this many consecutive words with an evaluation prompt counts as overlapping it.
 OVERLAP_WORDS = 8
 
@@ -99,7 +102,7 @@ def _submodules(library: str) -> list[str]:
     names = [library]
     for info in pkgutil.walk_packages(getattr(package, "__path__", []), prefix=f"{library}.", onerror=lambda _: None):
         parts = info.name.split(".")
-        if not any(part.startswith("_") or part in ("tests", "testing", "conftest") for part in parts):
+        if not any(part.startswith("_") or part in _SKIPPED_SUBMODULES for part in parts):
             names.append(info.name)
     return names
 
