@@ -109,3 +109,27 @@ def test_sampling_follows_the_processors_at_every_position(gemma):
     one = ids[1:, :][:, -2 * WINDOW :]
     assert target.generate(one, assistant_model=drafter, **single).tolist() == target.generate(one, **single).tolist()
 
+
+
+def test_a_warm_start_copies_what_computes_the_same():
+    """init_from_target: the drafter's final norm computes the target's (Gemma stores 1 + w, the drafter w);
+    Gemma's layers (norms around attention and MLP, a GELU) are not copied into Llama-style drafter layers, while a
+    Llama target's are."""
+    from conftest import make_target
+
+    target = tiny_gemma3()
+    with torch.no_grad():
+        target.model.norm.weight.normal_(0.0, 0.5)
+    drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4, init_from_target=True)
+    hidden = torch.randn(2, 5, target.config.hidden_size)
+    torch.testing.assert_close(drafter.norm(hidden), target.model.norm(hidden), atol=1e-5, rtol=1e-5)
+    last = target.model.layers[-1]
+    assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+
+    llama = make_target("llama")
+    drafter = DCOCODrafter.from_target(llama, num_hidden_layers=1, block_size=4, top_k=4, init_from_target=True)
+    last, hidden = llama.model.layers[-1], torch.randn(2, 5, llama.config.hidden_size)
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight)
+    torch.testing.assert_close(drafter.layers[0].input_layernorm(hidden), last.input_layernorm(hidden))
+    torch.testing.assert_close(drafter.norm(hidden), llama.model.norm(hidden))

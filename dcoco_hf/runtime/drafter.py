@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import shutil
 import weakref
@@ -139,8 +140,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         drafter = cls(config).to(device=target.device, dtype=target.dtype)
         drafter._settle_decoding(decoding)
         if init_from_target:
-            _copy_matching(target.get_decoder().layers[-num_hidden_layers:], drafter.layers)
-            _copy_matching(target.get_decoder().norm, drafter.norm)
+            _warm_start(target, drafter)
         return drafter.attach(target, tune=False)  # an untrained drafter: tune once it is trained
 
     def attach(self, target: PreTrainedModel, tune: bool = True, **tune_options: Any) -> "DCOCODrafter":
@@ -495,12 +495,51 @@ def _same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
 
 
 @torch.no_grad()
-def _copy_matching(source: nn.Module, destination: nn.Module) -> None:
-    """Copy every parameter that exists under the same name and shape in both modules."""
-    theirs = dict(source.named_parameters())
-    for name, param in destination.named_parameters():
-        if name in theirs and theirs[name].shape == param.shape:
-            param.copy_(theirs[name])
+@torch.no_grad()
+def _warm_start(target: PreTrainedModel, drafter: DCOCODrafter) -> None:
+    """Start the drafter's final norm, and its layers where they compute what the target's last layers compute,
+    from the target's.
+
+    Norms are copied by their effective scale, so a target whose RMSNorm multiplies by 1 + w (Gemma) gives the
+    drafter's x * w norm the same function. Layers are copied only from a target layer of the drafter's own make
+    (the same submodules, a SiLU MLP): a Gemma layer normalizes around its attention and MLP and runs a GELU, so its
+    weights in a Llama-style layer would compute something else; those layers start fresh. (A drafter layer may hold
+    what the target's lacks: Llama has no QK-norm, which then starts as the identity.)"""
+    decoder = target.get_decoder()
+    _copy_norm(decoder.norm, drafter.norm)
+    sources = decoder.layers[-len(drafter.layers):]
+    activation = getattr(target.config.get_text_config(), "hidden_act", None)
+    for source, layer in zip(sources, drafter.layers):
+        if activation not in ("silu", "swish") or not _structure(source) <= _structure(layer):
+            log(f"init_from_target: the target's {type(source).__name__} computes another function than a drafter "
+                "layer (norm placement or activation); the drafter's layers start fresh, its final norm from the "
+                "target's")
+            return
+        theirs = dict(source.named_parameters())
+        for name, param in layer.named_parameters():
+            owner = name.rpartition(".")[0]
+            if name not in theirs or theirs[name].shape != param.shape:
+                continue
+            if owner.endswith("norm"):
+                _copy_norm(source.get_submodule(owner), layer.get_submodule(owner))
+            else:
+                param.copy_(theirs[name])
+
+
+def _structure(layer: nn.Module) -> set[str]:
+    """The names of a layer's parameters: what it computes with."""
+    return {name for name, _ in layer.named_parameters()}
+
+
+def _copy_norm(source: nn.Module, destination: nn.Module) -> None:
+    """Give the drafter's RMSNorm (x / rms(x) * w) the effective per-channel scale of the target's: its output on a
+    vector of ones (rms 1) is that scale over sqrt(1 + eps), whatever the target stores (w, or 1 + w's w)."""
+    weight = destination.weight
+    if getattr(source, "weight", None) is None or source.weight.shape != weight.shape:
+        return
+    eps = getattr(source, "variance_epsilon", getattr(source, "eps", 1e-6))
+    ones = torch.ones(1, weight.shape[0], dtype=source.weight.dtype, device=source.weight.device)
+    weight.copy_((source(ones)[0].float() * math.sqrt(1.0 + eps)).to(weight.dtype))
 
 
 def spread_layer_ids(depth: int, count: int) -> list[int]:

@@ -127,7 +127,7 @@ def build_drafter(options: StageOptions, target: PreTrainedModel) -> DCOCODrafte
     if options.init:
         added = {"context_bigrams": True} if options.context_bigrams else {}  # its zero-started weights are missing
         added.update(corrector_switch(options))
-        drafter = DCOCODrafter.from_pretrained(options.init, **added).attach(target)
+        drafter = DCOCODrafter.from_pretrained(options.init, **added).attach(target, tune=False)  # trains, not decodes
         drafter.config.correct_first_slot |= options.correct_first_slot
         if options.draft_block_size is not None:
             try:
