@@ -112,19 +112,23 @@ def test_sampling_follows_the_processors_at_every_position(gemma):
 
 
 def test_a_warm_start_copies_what_computes_the_same():
-    """init_from_target: the drafter's final norm computes the target's (Gemma stores 1 + w, the drafter w);
-    Gemma's layers (norms around attention and MLP, a GELU) are not copied into Llama-style drafter layers, while a
-    Llama target's are."""
+    """init_from_target: Gemma's layers (norms around attention and MLP, a GELU) are not copied into Llama-style
+    drafter layers, nor its final norm, whose scale fits the target's own states; a Llama target's layers and norms
+    are, each norm computing what the target's does (norms are copied by effective scale: Gemma's store w of 1 + w)."""
     from conftest import make_target
+
+    from dcoco_hf.runtime.drafter import _copy_norm
 
     target = tiny_gemma3()
     with torch.no_grad():
         target.model.norm.weight.normal_(0.0, 0.5)
     drafter = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4, init_from_target=True)
-    hidden = torch.randn(2, 5, target.config.hidden_size)
-    torch.testing.assert_close(drafter.norm(hidden), target.model.norm(hidden), atol=1e-5, rtol=1e-5)
     last = target.model.layers[-1]
     assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(drafter.norm.weight, torch.ones_like(drafter.norm.weight))
+    hidden = torch.randn(2, 5, target.config.hidden_size)
+    _copy_norm(target.model.norm, drafter.norm)
+    torch.testing.assert_close(drafter.norm(hidden), target.model.norm(hidden), atol=1e-5, rtol=1e-5)
 
     llama = make_target("llama")
     drafter = DCOCODrafter.from_target(llama, num_hidden_layers=1, block_size=4, top_k=4, init_from_target=True)
