@@ -84,6 +84,8 @@ def test_sampled_data_folders_rebuild_exactly_from_their_record_list(tmp_path, m
 
     import torch
 
+    from dcoco_hf.training.data import load_shards
+
     source = tmp_path / "answers"
     source.mkdir()
     records = [{"input_ids": torch.tensor([i, i + 1]), "loss_mask": torch.tensor([0, 1])} for i in range(10)]
@@ -97,13 +99,13 @@ def test_sampled_data_folders_rebuild_exactly_from_their_record_list(tmp_path, m
 
     run("--source", source, "--output", tmp_path / "a", "--count", 4)
     run("--source", source, "--output", tmp_path / "b", "--count", 6, "--exclude", tmp_path / "a")
-    first, second = (torch.load(tmp_path / name / "shard-00000.pt") for name in "ab")
+    first, second = (load_shards(tmp_path / name) for name in "ab")
     taken = [int(r["input_ids"][0]) for r in first + second]
     assert sorted(taken) == list(range(10))  # disjoint, and together every record
     listed = {str(tmp_path / "again"): {"source": str(source), "indices": sorted(taken[4:])}}
     (tmp_path / "list.json").write_text(json.dumps(listed))
     run("--from-list", tmp_path / "list.json")
-    again = torch.load(tmp_path / "again" / "shard-00000.pt")
+    again = load_shards(tmp_path / "again")
     assert [r["input_ids"].tolist() for r in again] == [r["input_ids"].tolist() for r in second]
     with pytest.raises(SystemExit, match="only 0 records are left"):
         run("--source", source, "--output", tmp_path / "c", "--count", 1, "--exclude", tmp_path / "a", tmp_path / "b")
