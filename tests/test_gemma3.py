@@ -61,6 +61,15 @@ def _ragged(lengths: list[int], seed: int = 5) -> tuple[torch.LongTensor, torch.
     return ids, mask
 
 
+def test_the_drafter_takes_the_targets_full_attention_rope(gemma):
+    """Gemma 3 keeps RoPE settings per layer type (a local base for sliding layers, a global one for full ones); the
+    drafter, whose attention reads the whole context, takes the full-attention ones."""
+    target, drafter = gemma
+    full = target.config.rope_parameters["full_attention"]
+    assert drafter.config.rope_parameters["rope_theta"] == full["rope_theta"] != \
+        target.config.rope_parameters["sliding_attention"]["rope_theta"]
+
+
 def test_the_drafter_borrows_the_targets_own_scaling(gemma):
     """The drafter's embedding of a token is the target's (scaled by sqrt(hidden) inside Gemma's embedding module),
     and its logits come from the target's tied head as the target computes its own."""

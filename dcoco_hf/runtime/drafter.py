@@ -128,7 +128,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
             num_key_value_heads=config_kwargs.pop("num_key_value_heads", getattr(tcfg, "num_key_value_heads", heads)),
             head_dim=config_kwargs.pop("head_dim", getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
-            rope_parameters=getattr(tcfg, "rope_parameters", None),  # None: the config's default base
+            rope_parameters=_full_attention_rope(tcfg),  # None: the config's default base
             max_position_embeddings=getattr(tcfg, "max_position_embeddings", 32768),
             block_size=block_size,
             mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
@@ -495,6 +495,17 @@ def _same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
 
 
 @torch.no_grad()
+def _full_attention_rope(text_config: Any) -> dict | None:
+    """The target's RoPE settings for the drafter, whose attention reads the whole context: a target with settings
+    per layer type (Gemma 3: a local base for sliding layers, a global one for full ones) gives its full-attention
+    ones."""
+    rope = getattr(text_config, "rope_parameters", None)
+    kinds = set(getattr(text_config, "layer_types", None) or ())
+    if isinstance(rope, dict) and rope and set(rope) <= kinds:
+        return rope.get("full_attention") or next(iter(rope.values()))
+    return rope
+
+
 @torch.no_grad()
 def _warm_start(target: PreTrainedModel, drafter: DCOCODrafter) -> None:
     """Start the drafter's layers and final norm from the target's last layers and final norm, where the target's
