@@ -255,3 +255,12 @@ def test_help_renders(capsys):
         cli.main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert exit_info.value.code == 0 and "(answers 50%, stage1 30%, stage2 20%)" in text
+
+
+def test_the_command_line_starts_without_the_training_machinery():
+    """`dcoco-hf train` imports Trainer and peft (and, through peft, bitsandbytes) only when it runs: every other
+    command starts without them."""
+    heavy = "{'peft', 'bitsandbytes', 'transformers.trainer'}"
+    code = f"import sys, dcoco_hf.cli.main; print(sorted({heavy} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

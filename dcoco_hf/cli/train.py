@@ -24,7 +24,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from ..assets import SUITES, default_target_path, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
-from ..training.pipeline import TIME_SHARES, RunFolderError, RunState, TrainRun, read_progress, train
+from ..training.phases import TIME_SHARES
 from .common import CLIError, check_model_path, parse_with_recipe
 from .plots import require_matplotlib, write_training_plot
 
@@ -84,6 +84,9 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    # Imported here: the training machinery (transformers.Trainer, peft) costs every other command a second to start.
+    from ..training.pipeline import RunFolderError, RunState, TrainRun, train
+
     parser = args.train_parser
     argv = list(args.argv[args.argv.index("train") + 1 :])
     options = parse_with_recipe(parser, argv) if args.recipe else args
@@ -111,6 +114,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def plot_progress(out: Path) -> None:
     """`<out>/progress.png` from the checkpoints' held-out measurements, where matplotlib is installed."""
+    from ..training.pipeline import read_progress
+
     progress = read_progress(out)
     if not progress:
         return

@@ -38,13 +38,11 @@ from .data import (
     self_instruct_exercises,
     self_instruct_prompts,
 )
+from .phases import PHASES, TIME_SHARES
 from .prompt_sources import dataset_card, library_code_prompts, prepare_prompts, task_prompts
 from .retarget import held_out_stats, measure_tau
 from .stages import StageOptions, train_stage
 
-PHASES = ("prompts", "answers", "stage1", "stage2", "final")
-# --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
-TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
 STATE_FILE = "train_state.json"
 PROGRESS_FILE = "progress.jsonl"
 # Above LARGE_VOCAB tokens (Gemma's 262,144, Qwen's 151,936) the drafter's LM head costs most of a draft: by default it

@@ -1,0 +1,10 @@
+"""The phases of a `dcoco-hf train` run and their share of a `--hours` budget: what the command line needs to
+describe a run before it loads the training machinery (`pipeline.py`, which imports `transformers.Trainer`)."""
+
+from __future__ import annotations
+
+PHASES = ("prompts", "answers", "stage1", "stage2", "final")
+# --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
+TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
+
+__all__ = ["PHASES", "TIME_SHARES"]
