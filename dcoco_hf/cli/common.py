@@ -246,7 +246,8 @@ def _write_json(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
+    """The first line of an error's message (its type's name when it has none), for one-line CLI errors."""
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
@@ -398,7 +399,7 @@ def load_target(
         raise CLIError(f"could not load the target {name!r}: {err}", exit_code=1) from None
     except ValueError as err:  # a folder with a config.json but no causal LM or no tokenizer in it
         raise CLIError(
-            f"--target {name}: not a causal LM with its tokenizer ({_first_line(err)}); give a folder that "
+            f"--target {name}: not a causal LM with its tokenizer ({first_line(err)}); give a folder that "
             "save_pretrained() of an AutoModelForCausalLM and its tokenizer wrote, or a Hub id"
         ) from None
     if quantization is None:
@@ -416,7 +417,7 @@ def load_drafter(spec: str, device: torch.device, dtype: torch.dtype, attn: str,
     except OSError as err:  # not found, unreadable
         raise CLIError(f"could not load the drafter {spec!r}: {err}", exit_code=1) from None
     except ValueError as err:  # a checkpoint whose files are wrong: a config field, missing or unexpected weights
-        raise CLIError(f"could not load the drafter {spec!r}: {_first_line(err)}") from None
+        raise CLIError(f"could not load the drafter {spec!r}: {first_line(err)}") from None
     except RuntimeError as err:
         if "mismatched_sizes" not in str(err):  # transformers' refusal of weights shaped unlike the config
             raise

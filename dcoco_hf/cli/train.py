@@ -25,7 +25,7 @@ from ..assets import SUITES, default_target_path, load_prompts_file, suite_promp
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
 from ..training.phases import TIME_SHARES
-from .common import CLIError, check_model_path, parse_with_recipe
+from .common import CLIError, check_model_path, first_line, parse_with_recipe
 from .plots import require_matplotlib, write_training_plot
 
 # The held-out prompt suites of a source checkout (scripts/prompts/*.jsonl): reported on, so never trained on.
@@ -197,14 +197,14 @@ def load_training_target(name: str) -> tuple[PreTrainedModel, PreTrainedTokenize
     try:
         config = AutoConfig.from_pretrained(source, **keywords)
     except (OSError, ValueError) as error:
-        raise CLIError(f"--target {name}: cannot read its config ({_first_line(error)})", exit_code=1) from None
+        raise CLIError(f"--target {name}: cannot read its config ({first_line(error)})", exit_code=1) from None
     if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise CLIError(f"--target {name}: a {config.model_type!r} model is not a decoder-only causal LM "
                        "(AutoModelForCausalLM); a drafter reads the hidden states of a decoder-only target")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **keywords)
     except (OSError, ValueError) as error:
-        raise CLIError(f"--target {name}: cannot load its tokenizer ({_first_line(error)})", exit_code=1) from None
+        raise CLIError(f"--target {name}: cannot load its tokenizer ({first_line(error)})", exit_code=1) from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise CLIError(f"--target {name}: its tokenizer has neither a pad token nor an eos token to pad batches "
                        "with; set one (e.g. tokenizer.pad_token = '<pad>' or eos_token) and save_pretrained it there")
@@ -212,12 +212,12 @@ def load_training_target(name: str) -> tuple[PreTrainedModel, PreTrainedTokenize
     try:
         target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **keywords)
     except (OSError, ValueError) as error:
-        raise CLIError(f"--target {name}: cannot load it as a causal LM ({_first_line(error)})", exit_code=1) from None
+        raise CLIError(f"--target {name}: cannot load it as a causal LM ({first_line(error)})", exit_code=1) from None
     target.eval().requires_grad_(False)
     try:
         DCOCODrafter.from_target(target, block_size=2, top_k=2)  # the checks of a drafter build, in a second
     except ValueError as error:
-        raise CLIError(f"--target {name}: {_first_line(error)}") from None
+        raise CLIError(f"--target {name}: {first_line(error)}") from None
     return target, tokenizer
 
 
@@ -230,14 +230,10 @@ def evaluation_prompts() -> list[str]:
         try:
             prompts += suite_prompts(name)
         except (OSError, RuntimeError) as error:
-            log(f"training prompts not checked against {name}: it could not be fetched ({_first_line(error)})")
+            log(f"training prompts not checked against {name}: it could not be fetched ({first_line(error)})")
     for path in sorted(HELD_OUT_SUITES.glob("*.jsonl")):
         prompts += load_prompts_file(path)
     return prompts
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 __all__ = ["add_train_parser", "cmd_train", "load_training_target"]
