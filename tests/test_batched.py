@@ -35,7 +35,7 @@ import dcoco_hf.runtime.generation as generation
 from dcoco_hf import CorpusBigrams, SpeculativeOutput, speculative_generate
 from dcoco_hf.runtime.cpu_linear import LAYOUTS
 from dcoco_hf.runtime.engine import SpeculationEngine
-from dcoco_hf.runtime.proposal import CycleCosts
+from dcoco_hf.runtime.costs import CycleCosts
 
 PAD = 0
 
@@ -201,7 +201,7 @@ def test_one_host_sync_per_cycle(fitted, corrector, lengths, compaction, schedul
     drafter.generation_config.num_assistant_tokens_schedule = schedule
     drafter.generation_config.tree_budget = tree_budget
     drafter.cycle_costs = CycleCosts(verify=[1.0] * 8, draft={8: 1e-9})  # drafting always pays: no plain steps
-    drafter.proposal_schedule.batch_costs = {4: CycleCosts(verify=[1.0] * 8, draft={8: 1e-9}, batch=4)}  # nor batched
+    drafter.cost_model.batch_costs = {4: CycleCosts(verify=[1.0] * 8, draft={8: 1e-9}, batch=4)}  # nor batched
     if compaction:
         monkeypatch.setattr(generation, "COMPACT_WASTE", -1.0)
     reads = _HostReads()

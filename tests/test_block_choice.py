@@ -14,7 +14,7 @@ import torch
 from dcoco_hf import DCOCOConfig, DCOCODrafter
 from dcoco_hf.runtime.block_choice import candidate_block_sizes, choose_block_size, measure_cycle_costs
 from dcoco_hf.network.configuration_dcoco import DecodingChoices
-from dcoco_hf.runtime.proposal import CycleCosts
+from dcoco_hf.runtime.costs import CycleCosts
 
 # The shipped SmolLM2 drafter's HumanEval tau per block size (its bench_block_sizes.json): it grows fast up to blocks
 # of 4, then hardly.

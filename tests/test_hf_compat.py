@@ -156,4 +156,4 @@ def test_transformers_internals_are_read_in_the_adapter_only():
     names = {name for where, _, name in found if where == "runtime/hf_compat.py"}
     # What the adapter reads, as its docstring lists it: a new name there must be documented there too.
     assert names == {"_attn_implementation", "_eos_token_tensor", "_pad_token_tensor", "_from_model_config",
-                     "f_locals", "num_assistant_tokens"}, names
+                     "_sample", "f_locals", "num_assistant_tokens"}, names

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from copy import deepcopy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,23 +25,29 @@ from test_sampling import SETTINGS, speculative_samples
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import dcoco_hf.runtime.candidate_generator as candidate_generator
-import dcoco_hf.runtime.engine as engine_module
+import dcoco_hf.runtime.proposal as proposal_module
 from dcoco_hf import DCOCOStats
+from dcoco_hf.runtime.acceptance import (
+    AcceptanceModel,
+    chain_labels,
+    chain_prior,
+    draftable_share,
+    slot_confidence,
+)
+from dcoco_hf.runtime.costs import CycleCosts, cheapest_cover, isotonic
 from dcoco_hf.runtime.proposal import (
     MAX_PLAIN_RUN,
     PROBE_EVERY,
-    AcceptanceModel,
-    CycleCosts,
-    DraftPlan,
-    ProposalSchedule,
-    chain_labels,
-    chain_prior,
+    ConstantSchedule,
+    CostModel,
+    CostSchedule,
+    Draft,
+    HeuristicSchedule,
+    Proposal,
+    Verified,
     check_schedule,
-    draftable_share,
-    cheapest_cover,
-    isotonic,
+    fastest,
     next_plain_run,
-    slot_confidence,
 )
 
 # Cycle costs of three kinds of machine, in seconds (8 verify widths: the fitted drafter drafts blocks of 8).
@@ -130,91 +137,102 @@ def test_draftable_share_reads_the_draft_vocabulary():
     assert draftable_share([1, 2], None) == 1.0 and draftable_share([], frozenset({1})) == 1.0
 
 
-def test_the_choice_trades_expected_tokens_against_cycle_costs():
-    predicted = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
-    prior = AcceptanceModel([0.5] * 7)
-    gpu = ProposalSchedule(FREE_VERIFY, prior).choose(predicted, cap=7, floor=0.0, block=8)
-    cpu = ProposalSchedule(CPU_LIKE, prior).choose(predicted, cap=7, floor=0.0, block=8)
-    assert gpu.k == 7 and 1 < cpu.k < 7 and cpu.gain > 1
-    assert ProposalSchedule(CPU_LIKE, prior).choose(predicted, cap=2, floor=0.0, block=8).k <= 2  # the cap
-    assert ProposalSchedule(FREE_VERIFY, prior).choose(predicted, cap=7, floor=0.65, block=8).k == 3  # the floor
-    hopeless = ProposalSchedule(NEVER_PAYS, prior).choose([0.1] * 7, cap=7, floor=0.0, block=8)
-    assert hopeless.k == 1 and hopeless.gain < 1  # a cycle that drafted proposes one token, and says it lost
-    untuned = ProposalSchedule(None, prior).choose([0.1] * 7, cap=5, floor=0.0, block=8)
-    assert untuned.k == 5  # no costs known: every slot, like the constant schedule
+# ------------------------------------------------------------------------------------------- the schedules
 
 
-def _planner(costs, recent_confidences, slots=7):
-    """A schedule whose acceptance predicts each slot's confidence itself (bias 0, confidence weight 1, the other
-    features off), having seen `recent_confidences` drafted."""
+def _model(costs, slots=7, block_tau=None):
+    """A cost model whose acceptance predicts each slot's confidence itself (bias 0, confidence weight 1, the other
+    features off)."""
     acceptance = AcceptanceModel([0.5] * slots)
     acceptance.weights = [1.0, 0.0, 0.0]
-    for confidence in recent_confidences:
-        acceptance.note_drafted(confidence)
-    return ProposalSchedule(costs, acceptance)
+    return CostModel(costs, acceptance, block_tau or {})
 
 
-def test_the_drafted_block_is_the_one_that_pays_for_recent_drafts():
-    steep = CycleCosts(verify=CPU_LIKE.verify, draft={2: 0.1, 4: 0.3, 8: 0.9})  # a longer draft costs more
-    code, chat = [[0.95] * 7] * 4, [[0.6, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1]] * 4
-    assert _planner(steep, code).plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8  # drafts survive: long blocks
-    assert _planner(steep, chat).plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 2  # chat-like: short ones
-    middle = _planner(steep, [[0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.1]] * 4).plan_draft(0.5, 1.0, cap=7, floor=0.0)
-    assert middle.block == 4 and middle.gain > 1
-    assert _planner(steep, code).plan_draft(0.5, 1.0, cap=3, floor=0.0).block == 4  # num_assistant_tokens caps it
-    # A mix is planned over each draft at its own best length: one sure draft among hopeless ones still pays for
-    # a block long enough to carry it, where the mean confidence alone would draft short.
-    mixed = _planner(CycleCosts(verify=[1.0] * 8, draft={2: 0.05, 8: 0.1}), [[0.99] * 7] + [[0.05] * 7] * 3)
-    assert mixed.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
-    hopeless = _planner(NEVER_PAYS, [[0.1] * 7] * 4).plan_draft(0.5, 1.0, cap=7, floor=0.0)
-    assert hopeless.gain < 1  # plain steps next
-    flat = _planner(CycleCosts(verify=[1.0] * 8, draft={2: 0.1, 4: 0.1, 8: 0.1}), chat)
-    assert flat.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8  # slots that cost nothing are worth drafting
-    assert _planner(None, []).plan_draft(0.5, 1.0, cap=5, floor=0.0).block == 6  # untuned: the largest allowed
+def _draft(confidence, cap=7, rows=(0,)):
+    """A drafted block whose slots' walk scores give them these confidences (two candidates per slot, the first
+    chosen), one row per entry of `rows`."""
+    logit = torch.logit(torch.tensor(confidence, dtype=torch.float64))
+    logits = torch.stack([logit, torch.zeros_like(logit)], -1)[None].expand(len(rows), -1, -1)  # [b, S, 2]
+    chosen = torch.zeros(len(rows), len(confidence), dtype=torch.long)
+    proposal = SimpleNamespace(candidate_logits=logits, chosen=chosen, transition_scores=None, first_slot_scores=None,
+                               tokens=torch.arange(len(confidence)).expand(len(rows), -1))
+    return Draft(proposal, list(rows), cap)
 
 
-def test_cycles_slower_than_timed_move_the_next_plans():
-    """What the timed costs miss for one block, the cycles that drafted it teach: a process whose tuning timed block
-    8 too cheap stops drafting it once its cycles run slower, whatever the start-up timing said."""
-    steep = CycleCosts(verify=CPU_LIKE.verify, draft={2: 0.1, 4: 0.3, 8: 0.9})
-    code = [[0.95] * 7] * 4
-    planner = _planner(steep, code)
-    assert planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
-    assert planner.loop_for(4) == planner.loop_seconds == 0.0  # nothing seen yet: every block the shared loop
-    for _ in range(40):  # block 8's cycles take 0.8 s more than its timed draft and verify, block 4's run as timed
-        planner.observe_loop(0.8, block=8)
-        planner.observe_loop(0.0, block=4)
-    assert planner.loop_for(8) == pytest.approx(0.8, abs=0.06) and planner.loop_for(4) < 0.05
-    assert 0.2 < planner.loop_seconds < 0.6  # plain steps pay the loop of every cycle seen
-    assert planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 4
-    before = planner.loop_for(8)
-    planner.observe_loop(0.2)  # a cycle with plain steps in it teaches the shared loop only
-    assert planner.loop_for(8) == before
-    for _ in range(200):  # cycles as fast as timed: the learned excess fades away
-        planner.observe_loop(0.0, block=8)
-    assert planner.loop_for(8) < 1e-3 and planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
+def _schedule(model, rows=1, cap=7, floor=0.0):
+    return CostSchedule(model, rows, cap, floor, [[] for _ in range(rows)], [DCOCOStats() for _ in range(rows)])
 
 
-def test_one_slow_cycle_does_not_price_an_option_out():
-    """A block's first cycle that hit a hiccup (here 5 s over a 1 s plain step) moves its loop time by at most a
-    plain step over its prior cycles: the option stays in the plan and later cycles correct it."""
-    planner = _planner(CycleCosts(verify=CPU_LIKE.verify, draft={2: 0.1, 4: 0.3, 8: 0.9}), [[0.95] * 7] * 4)
+def test_the_proposal_trades_expected_tokens_against_cycle_costs():
+    predicted = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    assert _schedule(_model(FREE_VERIFY)).propose(_draft(predicted)) == Proposal(7)
+    cpu = _schedule(_model(CPU_LIKE)).propose(_draft(predicted)).k
+    assert 1 < cpu < 7
+    assert _schedule(_model(CPU_LIKE)).propose(_draft(predicted, cap=2)).k <= 2  # the cap
+    assert _schedule(_model(FREE_VERIFY), floor=0.65).propose(_draft(predicted)).k == 3  # the floor
+    assert _schedule(_model(NEVER_PAYS)).propose(_draft([0.1] * 7)).k == 1  # a cycle that drafted proposes one
+    assert _schedule(_model(None), cap=5).propose(_draft([0.1] * 7, cap=5)).k == 5  # untuned: every slot
+    # One rule prices every option: the k of most expected tokens per second.
+    assert fastest([1.5, 2.0, 2.2], [1.0, 1.2, 1.6]) == 1 and fastest([1.0, 1.0], [1.0, 1.0]) == 0
+
+
+def test_the_block_is_dscouts_per_machine():
+    """tau(B) / T(B) with the drafter's recorded tau and this machine's costs; capped by num_assistant_tokens;
+    without tau per block the largest timed block, untuned the largest allowed."""
+    costs = CycleCosts(verify=[1.0, 1.0, 1.0, 1.0, 1.5, 1.8, 2.0, 2.2], draft={2: 0.1, 3: 0.15, 4: 0.2, 8: 0.4})
+    tau = {2: 1.5, 3: 1.7, 4: 1.8, 8: 2.0}
+    assert _model(costs, block_tau=tau).machine_block(1, cap=7) == 4  # 1.8 / 1.2 beats 2.0 / 2.6 and 1.7 / 1.15
+    assert _model(costs, block_tau=tau).machine_block(1, cap=2) == 3
+    assert _model(FREE_VERIFY, block_tau={8: 2.0}).machine_block(1, cap=7) == 8
+    assert _model(costs).machine_block(1, cap=7) == 8
+    assert _model(None).machine_block(1, cap=5) == 6
+
+
+def test_plain_steps_run_while_recent_drafts_do_not_pay():
+    """Drafts that fail make the next cycles plain steps, in runs that double; drafts that pay keep drafting; before
+    any draft the recorded tau decides."""
+    hopeless = _schedule(_model(NEVER_PAYS, block_tau={8: 1.2}))
+    assert hopeless.block([0]) is None  # tau 1.2 in a cycle of 11 plain steps: not worth a draft
+    hopeful = _schedule(_model(CPU_LIKE, block_tau={8: 4.0}))
+    assert hopeful.block([0]) == 8
+    hopeful.propose(_draft([0.05] * 7))  # a draft the fit says will fail
+    hopeful.verified(Verified([0], 1, [0], [[5]]))
+    runs = [hopeful.block([0]) for _ in range(1 + 2 + 4)]
+    assert runs == [None] * 7 and hopeful.plain_run == 4  # runs of 1, 2, 4 plain steps
+    sure = _schedule(_model(CPU_LIKE))
+    sure.propose(_draft([0.99] * 7))
+    assert sure.block([0]) == 8
+    assert sure.block([0], may_skip=False) == 8  # a loop that must draft is told the block whatever the plan
+
+
+def test_cycles_slower_than_timed_teach_the_loop_and_one_slow_cycle_does_not_price_drafting_out():
+    model = _model(CPU_LIKE)
+    assert model.loop(1, "chain") == model.loop(1, "plain") == 0.0  # nothing seen yet
+    for _ in range(40):  # chain cycles take 0.8 s more than their timed draft and verify, plain steps run as timed
+        model.observe_loop(0.8, 1, "chain")
+        model.observe_loop(0.0, 1, "plain")
+    assert model.loop(1, "chain") == pytest.approx(0.8, abs=0.06) and model.loop(1, "plain") < 0.05
+    assert model.loop(1, "tree") == model.loop(1, "plain")  # an unseen kind starts from the plain steps'
+    assert model.cycle_seconds(8, 1)[3] == pytest.approx(0.3 + 1.75 + model.loop(1, "chain"))
+    fresh = _model(CPU_LIKE)
     for _ in range(10):
-        planner.observe_loop(0.01, block=4)
-    planner.observe_loop(5.0, block=8)
-    assert planner.loop_for(8) < 0.25  # (4 prior cycles at ~0.01 + one capped at 1.0) / 5
-    assert planner.plan_draft(0.5, 1.0, cap=7, floor=0.0).block == 8
+        fresh.observe_loop(0.01, 1, "plain")
+    fresh.observe_loop(5.0, 1, "chain")  # a hiccup of 5 s over a 1 s plain step
+    assert fresh.loop(1, "chain") < 0.25  # (4 prior cycles at ~0.01 + one capped at 1.0) / 5
 
 
-def test_typical_confidence_follows_recent_drafts():
-    model = AcceptanceModel([0.5] * 4)
-    assert model.typical() == [0.5] * 4  # nothing drafted yet
-    for _ in range(40):
-        model.note_drafted([0.9, 0.2])  # blocks of 3: slots 3 and 4 never drafted
-    typical = model.typical()
-    assert typical[0] == pytest.approx(0.9, abs=1e-3) and typical[1] == pytest.approx(0.2, abs=1e-3)
-    assert typical[2:] == [typical[1]] * 2  # an undrafted slot takes the nearest shallower slot's
-    assert list(model.recent_drafts)[-1] == [0.9, 0.2] and len(model.recent_drafts) < 40  # only the last few
+def test_the_simple_schedules():
+    constant = ConstantSchedule(5)
+    assert constant.block([0]) == 5 and constant.propose(_draft([0.1] * 4, cap=4)) == Proposal(4)
+    heuristic = HeuristicSchedule(tokens=3, largest=8)
+    assert heuristic.block([0]) == 4 and heuristic.propose(_draft([0.5] * 3, cap=7)) == Proposal(3)
+    heuristic.verified(Verified([0], 3, [3], [[1, 2, 3, 4]]))  # all accepted: two more
+    assert heuristic.tokens == 5 and heuristic.block([0]) == 6
+    heuristic.verified(Verified([0], 5, [2], [[1, 2, 3]]))  # not all: one fewer
+    assert heuristic.tokens == 4
+    for _ in range(10):
+        heuristic.verified(Verified([0], 1, [0], [[1]]))
+    assert heuristic.tokens == 1  # at least one
 
 
 def test_plain_runs_double_while_drafting_does_not_pay():
@@ -243,14 +261,14 @@ def schedule(drafter, name: str = "cost", costs: CycleCosts | None = None, **gen
     config.num_assistant_tokens_schedule = name
     for key, value in generation.items():
         setattr(config, key, value)
-    drafter._schedule = None
+    drafter._cost_model = None
     drafter.cycle_costs = costs
     try:
         yield
     finally:
         for key, value in saved.items():
             setattr(config, key, value)
-        drafter._schedule = None
+        drafter._cost_model = None
 
 
 def _prompt(seed: int, length: int, vocab: int) -> torch.LongTensor:
@@ -293,7 +311,7 @@ def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch)
     """Alternate plain steps and whole blocks inside each call (k = 0 and k = max), with EOS and a custom stopping
     criterion landing anywhere."""
     target, drafter = fitted
-    monkeypatch.setattr(engine_module, "next_plain_run", lambda gain, run: 0 if run else 2)
+    monkeypatch.setattr(proposal_module, "next_plain_run", lambda gain, run: 0 if run else 2)
 
     class StopAtLength(StoppingCriteria):
         def __init__(self, length: int) -> None:
@@ -319,9 +337,7 @@ def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch)
 def _rotating_blocks(monkeypatch, sizes=(2, 8, 4, 3)):
     """Make the cost-aware schedule draft each of `sizes` in turn (the costs would pick one)."""
     turn = iter(range(10**6))
-    monkeypatch.setattr(
-        ProposalSchedule, "plan_draft", lambda self, *args, **kwargs: DraftPlan(sizes[next(turn) % len(sizes)], 1.0)
-    )
+    monkeypatch.setattr(CostModel, "machine_block", lambda self, *args: sizes[next(turn) % len(sizes)])
 
 
 def test_greedy_is_exact_whatever_block_each_cycle_drafts(fitted, monkeypatch):
@@ -354,18 +370,18 @@ def test_the_acceptance_fit_is_kept_across_calls(fitted):
     target, drafter = fitted
     with schedule(drafter, costs=CPU_LIKE):
         _greedy_cases(target, drafter, range(50, 52))
-        seen = drafter.proposal_schedule.acceptance.observed
+        seen = drafter.cost_model.acceptance.observed
         _greedy_cases(target, drafter, range(52, 54))
-        assert seen > 0 and drafter.proposal_schedule.acceptance.observed > seen
+        assert seen > 0 and drafter.cost_model.acceptance.observed > seen
         # A schedule assigned for a while (a copy per setting) learns in place of the drafter's own.
-        own, kept = drafter.proposal_schedule, deepcopy(drafter.proposal_schedule)
-        drafter.proposal_schedule = kept
+        own, kept = drafter.cost_model, deepcopy(drafter.cost_model)
+        drafter.cost_model = kept
         _greedy_cases(target, drafter, range(54, 56))
         assert kept.acceptance.observed > own.acceptance.observed
-        drafter.proposal_schedule = own
-        assert drafter.proposal_schedule is own
-    with pytest.raises(TypeError, match="ProposalSchedule"):
-        drafter.proposal_schedule = {"costs": None}
+        drafter.cost_model = own
+        assert drafter.cost_model is own
+    with pytest.raises(TypeError, match="CostModel"):
+        drafter.cost_model = {"costs": None}
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS), ids=list(SETTINGS))
@@ -373,7 +389,7 @@ def test_sampling_is_exact_with_plain_steps_and_full_blocks(setting, monkeypatch
     """The sampling test of tests/test_sampling.py under the cost-aware schedule, every other cycle a plain step."""
     target = peaked_target()
     drafter = random_drafter(target, 24, soft=True)
-    monkeypatch.setattr(engine_module, "next_plain_run", lambda gain, run: 0 if run else 1)
+    monkeypatch.setattr(proposal_module, "next_plain_run", lambda gain, run: 0 if run else 1)
     kwargs = SETTINGS[setting]
     probs = exact_distribution(target, kwargs)
     n = 400
@@ -442,7 +458,7 @@ def test_plain_steps_leave_no_hole_in_the_drafters_context(fitted, monkeypatch):
     draft reads every committed row: the drafter cache holds one row per position, with no gap where the plain steps
     were."""
     target, drafter = fitted
-    monkeypatch.setattr(engine_module, "next_plain_run", lambda gain, run: MAX_PLAIN_RUN)
+    monkeypatch.setattr(proposal_module, "next_plain_run", lambda gain, run: MAX_PLAIN_RUN)
     seen = []
     original = candidate_generator.DCOCOCandidateGenerator._new_context
 
@@ -453,8 +469,39 @@ def test_plain_steps_leave_no_hole_in_the_drafters_context(fitted, monkeypatch):
 
     monkeypatch.setattr(candidate_generator.DCOCOCandidateGenerator, "_new_context", recording)
     with schedule(drafter, costs=CPU_LIKE):
-        _greedy_cases(target, drafter, [70], max_new_tokens=PROBE_EVERY + 40)
+        _greedy_cases(target, drafter, [70], max_new_tokens=2 * PROBE_EVERY + 30)
     assert len(seen) >= 3 and max(b[2] - a[2] for a, b in itertools.pairwise(seen)) > PROBE_EVERY
     for cached, positions, length in seen[1:]:
         # the new rows continue the cached ones without a gap, up to just before the anchor
         assert positions == list(range(cached, length - 1)), (cached, positions, length)
+
+
+def test_a_batched_call_that_drafting_cannot_pay_for_is_plain_generate(fitted, monkeypatch):
+    """Where even the drafter's recorded tau is not expected to beat plain steps at the call's batch size, the whole
+    call runs transformers' own decoding loop: the same tokens (greedy, and sampling under one seed), no draft, and
+    statistics that count plain steps; where it is expected to pay, the call drafts."""
+    from dcoco_hf import speculative_generate
+
+    target, drafter = fitted
+    prompts = [_prompt(90 + i, 4 + 2 * i, target.config.vocab_size)[0] for i in range(3)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    drafts = []
+    real_propose = type(drafter).propose
+    monkeypatch.setattr(type(drafter), "propose", lambda self, *a, **k: drafts.append(1) or real_propose(self, *a, **k))
+    with schedule(drafter, costs=NEVER_PAYS, tree_budget=0):
+        drafter.cost_model.block_tau = {8: 1.5}  # 1.5 tokens for a cycle of 11 plain steps
+        for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 0.8}):
+            torch.manual_seed(3)
+            expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, **sampling)
+            torch.manual_seed(3)
+            out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20,
+                                       **sampling)
+            assert out.sequences.tolist() == expected.tolist(), sampling
+            assert all(s.proposal_lengths == [20] and s.committed_tokens == 20 for s in out.stats)
+        assert not drafts
+        drafter.cost_model.block_tau = {8: 12.0}  # now a draft is expected to pay for its cycle
+        out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20)
+    assert drafts and out.sequences.tolist() == target.generate(ids, attention_mask=mask, max_new_tokens=20,
+                                                               do_sample=False).tolist()

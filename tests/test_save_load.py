@@ -214,7 +214,7 @@ def test_a_folder_from_before_the_move_decodes_with_its_choices(tmp_path, llama)
     (folder / "generation_config.json").write_text(json.dumps(old_generation))
 
     loaded = DCOCODrafter.from_pretrained(folder)
-    defaults = {"use_corrector": True, "time_phases": False, "tree_budget": 16}  # what the old folder lacks
+    defaults = {"use_corrector": True, "time_phases": False, "tree_budget": 0}  # what the old folder lacks
     assert asdict(loaded.decoding) == {**old_choices, **defaults}
     assert not {"selection", "legacy_decoding"} & set(loaded.config.to_dict())
     plain = _proposals(drafter, llama)

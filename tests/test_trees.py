@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,16 +31,10 @@ from test_batched import PAD, SETTINGS, left_padded
 from test_lilicorr import lilicorr_copy, randomise
 
 from dcoco_hf import DCOCOStats, speculative_generate
-from dcoco_hf.runtime import engine as engine_module
-from dcoco_hf.runtime.proposal import (
-    AcceptanceModel,
-    CycleCosts,
-    NodeFeatures,
-    PlannedTree,
-    TREE_MARGIN,
-    ProposalSchedule,
-    tree_expected,
-)
+from dcoco_hf.runtime import trees as trees_module
+from dcoco_hf.runtime.acceptance import AcceptanceModel, NodeFeatures, PlannedTree, tree_expected
+from dcoco_hf.runtime.costs import CycleCosts
+from dcoco_hf.runtime.proposal import CostModel, CostSchedule, Draft, Proposal
 from dcoco_hf.runtime.target_cache import reorder_block
 from dcoco_hf.runtime.trees import TreeNode, best_first, chain_of, path_order, tree_scores
 
@@ -141,62 +136,61 @@ def test_reorder_block_moves_the_last_forwards_columns_in_place(static):
 # ------------------------------------------------------------------------------------------------ the choice
 
 
+def _bushy_tree(siblings: int, confidence: float) -> PlannedTree:
+    """`siblings` children of the anchor at slot 1 (the first on the chain), each as likely as the best."""
+    nodes = [NodeFeatures(0, confidence, 1.0, False) for _ in range(siblings)]
+    return PlannedTree.of(nodes, [-1] * siblings)
+
+
+def _tree_choice(costs: CycleCosts, tree_node: float, model: CostModel | None = None) -> tuple[Proposal, float]:
+    """What the cost-aware schedule verifies of a draft whose chain's slots are accepted with chances 0.8, 0.6, 0.5,
+    0.4, 0.3, ... and whose tree has 16 nodes under the anchor, each accepted with chance `tree_node` (each adds that
+    many expected tokens); and the choice's expected tokens per second."""
+    model = model or CostModel(costs, AcceptanceModel([0.5] * 7))
+    model.acceptance.weights, model.acceptance.node_weights = [1.0, 0.0, 0.0], [0.0, 0.0]  # p = confidence
+    chain = [0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3]
+    trees = SimpleNamespace(chain=lambda: ([chain], [list(range(7))]), planned=[_bushy_tree(16, tree_node)], size=16)
+    proposal = SimpleNamespace(tokens=torch.zeros(1, 7, dtype=torch.long))
+    schedule = CostSchedule(model, 1, 7, 0.0, [[]], [DCOCOStats()])
+    choice = schedule.propose(Draft(proposal, [0], 7, trees))
+    if choice.tree:
+        tokens, seconds = 1 + tree_node * choice.tree, model.tree_seconds(8, choice.tree, 1)[-1]
+    else:
+        survival = itertools.accumulate(chain[: choice.k], lambda a, b: a * b)
+        tokens, seconds = 1 + sum(survival), model.cycle_seconds(8, 1)[choice.k]
+    return choice, tokens / seconds
+
+
 def test_the_schedule_verifies_a_tree_where_verify_is_cheap_and_the_chain_where_not():
-    """Same drafts: with a flat verify cost (a GPU) the largest tree pays; with a steep one (a CPU's) the chain or a
-    small tree; a tree is never chosen that is expected slower than the chain."""
-    acceptance = AcceptanceModel([0.5] * 7)
-    chain = [[0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3]]
-    tree = [[1.0 + 0.35 * n for n in range(17)]]  # each node adds 0.35 expected tokens: more than the chain's tail
-    flat = ProposalSchedule(CycleCosts(verify=[1.0] * 17, draft={8: 0.1}), acceptance)
-    steep = ProposalSchedule(CycleCosts(verify=[1.0 + 0.5 * n for n in range(17)], draft={8: 0.1}), acceptance)
-    assert flat.choose_batch(chain, 7, 0.0, 8, trees=tree).tree == 16
-    steep_choice = steep.choose_batch(chain, 7, 0.0, 8, trees=tree)
-    chain_only = steep.choose_batch(chain, 7, 0.0, 8)
-    assert steep_choice.gain >= chain_only.gain and steep_choice.tree < 16
+    """Same draft: with a flat verify cost (a GPU) the largest tree pays; with a steep one (a CPU's) the chain or a
+    small tree, whichever is expected faster: trees and chains are priced by one rule (`proposal.fastest`)."""
+    flat = CycleCosts(verify=[1.0] * 17, draft={8: 0.1})
+    assert _tree_choice(flat, 0.35)[0].tree == 16
+    assert _tree_choice(flat, 0.05)[0] == Proposal(7)  # siblings that add little: the whole chain
+    steep = CycleCosts(verify=[1.0 + 0.5 * n for n in range(17)], draft={8: 0.1})
+    choice, rate = _tree_choice(steep, 0.35)
+    assert choice.tree < 16
+    for k in range(1, 8):  # no chain length is expected faster than the choice
+        survival = list(itertools.accumulate([0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3][:k], lambda a, b: a * b))
+        assert (1 + sum(survival)) / (0.1 + steep.verify[k]) <= rate + 1e-12
 
 
 def test_trees_that_commit_less_than_forecast_give_way_to_the_chain():
     """The plan discounts a tree's forecast by what tree cycles committed of theirs, measured against the chain's
     own record: trees that keep falling short stop being chosen; a record as good as the chain's changes nothing."""
-    acceptance = AcceptanceModel([0.5] * 7)
-    chain = [[0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3]]
-    tree = [[1.0 + 0.35 * n for n in range(17)]]
-    schedule = ProposalSchedule(CycleCosts(verify=[1.0] * 17, draft={8: 0.1}), acceptance)
-    assert schedule.tree_yield() == 1.0 and schedule.choose_batch(chain, 7, 0.0, 8, trees=tree).tree == 16
+    flat = CycleCosts(verify=[1.0] * 17, draft={8: 0.1})
+    model = CostModel(flat, AcceptanceModel([0.5] * 7))
+    assert model.tree_yield() == 1.0 and _tree_choice(flat, 0.35, model)[0].tree == 16
     for _ in range(50):  # chains commit what they forecast, trees as often as the chains
-        schedule.observe_yield(3.0, 3.0, tree=False)
-        schedule.observe_yield(4.0, 4.0, tree=True)
-    assert schedule.tree_yield() == pytest.approx(1.0)
-    assert schedule.choose_batch(chain, 7, 0.0, 8, trees=tree).tree == 16
+        model.observe_yield(3.0, 3.0, tree=False)
+        model.observe_yield(4.0, 4.0, tree=True)
+    assert model.tree_yield() == pytest.approx(1.0)
+    assert _tree_choice(flat, 0.35, model)[0].tree == 16
     for _ in range(300):  # then trees commit none of their forecast drafted tokens
-        schedule.observe_yield(4.0, 1.0, tree=True)
-    assert schedule.tree_yield() < 0.2
-    choice = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree)
+        model.observe_yield(4.0, 1.0, tree=True)
+    assert model.tree_yield() < 0.2
+    choice = _tree_choice(flat, 0.35, model)[0]
     assert choice.tree == 0 and choice.k > 0
-
-
-def test_a_dearer_tree_replaces_the_chain_only_when_clearly_ahead():
-    """A tree that costs more than the chain and is forecast a few percent ahead of it is not taken (the best of many
-    tree sizes' forecasts runs high); one ahead by more than `TREE_MARGIN` is; and where a tree costs what the chain
-    does (flat verify), any forecast advantage takes it."""
-    acceptance = AcceptanceModel([0.5] * 7)
-    chain = [[0.8, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3]]
-    # 8 columns (the whole block's chain) cost 1, every wider forward 1.5
-    steep = ProposalSchedule(CycleCosts(verify=[1.0] * 8 + [1.5] * 9, draft={8: 0.1}), acceptance)
-    flat = ProposalSchedule(CycleCosts(verify=[1.0] * 17, draft={8: 0.1}), acceptance)
-    for schedule in (steep, flat):
-        chain_only = schedule.choose_batch(chain, 7, 0.0, 8)
-        assert chain_only.k == 7
-
-        def tree_ahead(factor: float) -> list[list[float]]:  # 16 nodes: `factor` times the chain's gain at 17 columns
-            cost = schedule.tree_seconds(8, 16)[-1] / schedule.cycle_seconds(8)[7]
-            total = chain_only.expected * factor * cost
-            return [[1.0] * 8 + [1.0 + (total - 1.0) * n / 16 for n in range(8, 17)]]  # only the 16-node tree pays
-
-        slightly = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree_ahead(0.5 + TREE_MARGIN / 2))
-        assert slightly.tree == (16 if schedule is flat else 0)
-        ahead = schedule.choose_batch(chain, 7, 0.0, 8, trees=tree_ahead(TREE_MARGIN + 0.05))
-        assert ahead.tree == 16 and ahead.gain == pytest.approx(chain_only.gain * (TREE_MARGIN + 0.05))
 
 
 def test_nodes_off_the_chain_teach_only_the_node_terms():
@@ -215,32 +209,6 @@ def test_nodes_off_the_chain_teach_only_the_node_terms():
 def test_tree_expected_multiplies_acceptance_along_each_path():
     # anchor -> node 0 (0.5) -> node 2 (0.4); anchor -> node 1 (0.2): E = 1 + 0.5 + 0.2 + 0.5 * 0.4
     assert tree_expected([0.5, 0.2, 0.4], [-1, -1, 0]) == pytest.approx([1.0, 1.5, 1.7, 1.9])
-
-
-def _bushy_tree(siblings: int, confidence: float) -> PlannedTree:
-    """`siblings` children of the anchor at slot 1 (the first on the chain), each as likely as the best."""
-    nodes = [NodeFeatures(0, confidence, 1.0, False) for _ in range(siblings)]
-    return PlannedTree.of(nodes, [-1] * siblings)
-
-
-def test_plain_steps_give_way_where_a_tree_pays_and_the_chain_does_not():
-    """The plan before a draft weighs the recent drafts' trees too: where the chain's slots are too weak to beat a
-    plain step but the first slot's siblings together are strong (verify columns up to 4 cost one, as on this CPU),
-    a call with a tree budget drafts, and one without takes plain steps."""
-    costs = CycleCosts(verify=[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], draft={4: 0.3, 8: 0.6})
-    acceptance = AcceptanceModel([0.5] * 7)
-    acceptance.weights = [1.0, 0.0, 0.0]  # each node's predicted acceptance is its confidence
-    acceptance.node_weights = [0.0, 0.0]
-    for _ in range(4):
-        acceptance.note_drafted([0.1] * 7, _bushy_tree(3, 0.25))
-    schedule = ProposalSchedule(costs, acceptance)
-    chain_plan = schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0)
-    tree_plan = schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0, tree_budget=16)
-    assert chain_plan.gain < 1.0 < tree_plan.gain  # three siblings at 0.25 each: 1.75 tokens for 1.3 plain steps
-    assert tree_plan.block == 4 and tree_plan.gain == pytest.approx(1.75 / 1.3)
-    assert schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0, tree_budget=2).gain == pytest.approx(1.5 / 1.3)
-    # a call without trees reads no tree, even when an earlier call on the drafter left some
-    assert schedule.plan_draft(0.5, 1.0, cap=7, floor=0.0, tree_budget=0) == chain_plan
 
 
 # ------------------------------------------------------------------------------------------------ exact, greedy
@@ -366,13 +334,13 @@ def test_a_single_path_tree_is_the_chain(monkeypatch):
     """A tree whose nodes are the walk's block, one under the other, verifies through the same code as the chain:
     the same tokens, the same accepted count every cycle."""
     target, drafter = _models("scrambled")
-    real = engine_module.best_first
+    real = trees_module.best_first
 
     def spine(first, transitions, marginals, budget):  # the budget's first nodes of the chain alone
         chain = [node for node in real(first, transitions, marginals, 64) if node.on_chain][:budget]
         return [dataclasses.replace(node, parent=i - 1) for i, node in enumerate(chain)]
 
-    monkeypatch.setattr(engine_module, "best_first", spine)
+    monkeypatch.setattr(trees_module, "best_first", spine)
     for seed, lengths in [(30, [5, 8, 2]), (31, [9])]:
         as_trees = _greedy(target, drafter, seed, lengths, 20, tree_budget=7)
         as_chains = _greedy(target, drafter, seed, lengths, 20, tree_budget=0)
@@ -384,7 +352,7 @@ def test_the_chain_read_from_the_trees_scores_is_the_walks_block():
     """With a tree budget the chain's tokens and confidences come from the trees' scores on the host
     (`chain_of`): they are the walk's own block and `slot_confidence`'s reading of it."""
     from dcoco_hf.runtime.context_cache import DraftContextCache
-    from dcoco_hf.runtime.proposal import slot_confidence
+    from dcoco_hf.runtime.acceptance import slot_confidence
 
     target, drafter = _models("scrambled")
     ids = torch.randint(1, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
@@ -431,11 +399,11 @@ def test_tree_nodes_label_the_acceptance_fit():
     drafter.generation_config.num_assistant_tokens_schedule = "cost"
     drafter.cycle_costs = CycleCosts(verify=[1.0] * 17, draft={8: 1e-9})  # trees always pay: verify is free
     try:
-        before = drafter.proposal_schedule.acceptance.observed
+        before = drafter.cost_model.acceptance.observed
         stats = _greedy(target, drafter, 50, [6, 9], 20, tree_budget=16)
         assert sum(s.tree_cycles for s in stats) > 0
-        assert drafter.proposal_schedule.acceptance.observed > before
-        assert drafter.proposal_schedule.acceptance.node_weights != [1.0, 0.0]
+        assert drafter.cost_model.acceptance.observed > before
+        assert drafter.cost_model.acceptance.node_weights != [1.0, 0.0]
     finally:
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
         drafter.detach()

@@ -13,6 +13,8 @@ Every method is a plain `target.generate(...)` call, so the numbers are what a t
   the drafter config's default / "viterbi" / "geometric" for that call.
 * ``dcoco-paper``: the paper's prefix-first walk with slot 1 kept at the drafter argmax, i.e. ``dcoco`` without our
   `correct_first_slot` extension (the same as ``dcoco`` for a drafter that does not use it).
+* ``speculative``: `speculative_generate(target, input_ids, drafter=drafter, ...)`, the batched loop, one prompt at
+  a time, with the drafter's schedule and tree budget.
 
 Methods run interleaved (for each prompt, every method once, in an order rotated per prompt), so slow phases of a
 shared, noisy machine hit all methods alike and the speed ratios stay fair. Speedup is a ratio of tokens per second
@@ -43,15 +45,19 @@ from ..runtime.device import device_sync
 from ..runtime.hf_compat import cache_kwargs, require_assisted_static_cache
 from ..runtime.logs import log
 from ..runtime.drafter import DCOCODrafter
+from ..runtime.generation import speculative_generate
 from ..runtime.stats import DCOCOStats
 from ..runtime.tap import forward_inputs
 
 METHODS = (
     "vanilla", "prompt_lookup", "dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric",
+    "speculative",
 )
 """All benchmark methods, in their default order."""
 
-DRAFTER_METHODS = frozenset({"dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric"})
+DRAFTER_METHODS = frozenset(
+    {"dflash", "dflash-hf", "dcoco", "dcoco-paper", "dcoco-viterbi", "dcoco-geometric", "speculative"}
+)
 """Methods that need the DCOCO drafter."""
 
 # The walk (a generation-config field) each method of our engine sets for its calls; "dcoco" keeps the drafter's
@@ -60,6 +66,7 @@ DRAFTER_METHODS = frozenset({"dflash", "dflash-hf", "dcoco", "dcoco-paper", "dco
 DCOCO_WALKS: dict[str, dict[str, Any]] = {
     "dflash": {},
     "dcoco": {},
+    "speculative": {},
     "dcoco-paper": {"selection": "prefix_first"},
     "dcoco-viterbi": {"selection": "viterbi"},
     "dcoco-geometric": {"selection": "geometric"},
@@ -235,7 +242,7 @@ class MethodRunner:
         elif method in DRAFTER_METHODS:
             if self.drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter, but none was loaded")
-            kwargs["assistant_model"] = self.drafter
+            kwargs["drafter" if method == "speculative" else "assistant_model"] = self.drafter
             if method == "dflash-hf":
                 kwargs["speculation_type"] = "dflash"
         elif method != "vanilla":
@@ -288,7 +295,10 @@ class MethodRunner:
                 kwargs["streamer"] = streamer
             self._sync()
             start = time.perf_counter()
-            output = self.target.generate(input_ids, attention_mask=attention_mask, **kwargs)
+            if base == "speculative":
+                output = speculative_generate(self.target, input_ids, attention_mask=attention_mask, **kwargs).sequences
+            else:
+                output = self.target.generate(input_ids, attention_mask=attention_mask, **kwargs)
             self._sync()
             seconds = time.perf_counter() - start
             dcoco = self._dcoco_stats(output) if base in DCOCO_WALKS else None

@@ -36,7 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .context_cache import DraftContextCache
 from .device import device_sync
-from .proposal import CycleCosts
+from .costs import CycleCosts
 from .hf_compat import cache_kwargs
 
 if TYPE_CHECKING:

@@ -172,7 +172,7 @@ class DCOCOCandidateGenerator(CandidateGenerator):
         self.stopping_criteria = StoppingCriteriaList(c for c in stopping_criteria or () if not isinstance(c, handled))
         self.context_end = 0  # every committed position below this is in the drafter cache (or was never seen)
         self._length: int | None = None  # committed tokens when transformers last reported
-        self._pending: tuple[int, int] | None = None  # the cycle's (proposed, drafted block) until verified
+        self._pending: int | None = None  # the cycle's proposed tokens, until verified
         self._cycle_start: float | None = None  # when the previous verification was reported
         self._closed_sequence: torch.LongTensor | None = None
         self._last_committed: torch.LongTensor | None = None
@@ -224,12 +224,9 @@ class DCOCOCandidateGenerator(CandidateGenerator):
             self.stopping_criteria, input_ids, proposal.tokens[:, :k], proposal.candidates[0, 0], scores
         )
         self._draft_forwards = self.tap.forward_count
-        self._pending = (tokens.shape[1], proposal.tokens.shape[1] + 1)
+        self._pending = tokens.shape[1]
         self._last_committed = committed
         self._plain_since_draft = 0
-        driver = self.driver
-        if self.engine.plain_left and driver is not None:
-            set_proposal_length(driver, 0)  # transformers then verifies no draft: a plain step
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), one_hot_logits(tokens, self.vocab_size)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
@@ -247,17 +244,19 @@ class DCOCOCandidateGenerator(CandidateGenerator):
                 "model than the one this drafter is attached to. Call `drafter.attach(model)` for the model you "
                 "generate with."
             )
-        proposed, block = pending if pending is not None else (0, None)
         if pending is None:
             self._plain_since_draft += 1
-        self.engine.verified([0], proposed, [int(num_matches)], [new])
-        if started is not None:  # the prompt's cycle is not timed: its prefill is no cycle cost
-            self.engine.observe_cycle_time([0], now - started, proposed, block, [len(new)])
+        seconds = now - started if started is not None else None  # the prompt's prefill is no cycle cost
+        self.engine.verified([0], pending or 0, [int(num_matches)], [new], seconds=seconds)
         driver = self.driver
-        # After a run of plain steps: draft again if the plan says it pays (else it plans another run).
-        if not self.engine.plain_left and driver is not None and proposal_length(driver) == 0:
-            if self.engine.draft_block([0], self.engine.cap) is not None:
-                set_proposal_length(driver, self._driver_tokens)
+        if driver is None:  # transformers' loop cannot take a plain step for us: every cycle drafts
+            return
+        # The next cycle: for a plain step transformers verifies no draft (`assisted_driver`); its own count
+        # (which its "heuristic" schedule moves) is put back for the next draft.
+        if self.engine.next_cycle([0]) is None:
+            set_proposal_length(driver, 0)
+        elif proposal_length(driver) == 0:
+            set_proposal_length(driver, self._driver_tokens)
 
     @property
     def driver(self) -> AssistedCandidateGenerator | None:

@@ -41,7 +41,9 @@ from .engine import call_statistics
 from .hf_compat import keep_own_keys
 from .logs import log, logger
 from .precision import precision_notes
-from .proposal import COST_SCHEDULE, AcceptanceModel, CycleCosts, ProposalSchedule, chain_prior, check_schedule
+from .acceptance import AcceptanceModel, chain_prior
+from .costs import CycleCosts
+from .proposal import COST_SCHEDULE, CostModel, check_schedule
 from .tap import TargetTap, decoder_layers
 from .tuning import Tuning, unpack_for_capture, untune
 from .tuning import tune as tune_for_device
@@ -82,7 +84,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         self._tap: TargetTap | None = None
         self._tuning: Tuning | None = None
         self._unhook: weakref.finalize | None = None
-        self._schedule: ProposalSchedule | None = None  # the cost-aware schedule's state, kept across calls
+        self._cost_model: CostModel | None = None  # what the cost-aware schedule knows, kept across calls
         self._compiled_draft: Any = None  # `compile_drafting`: the compiled whole draft, or None (eager)
         self.last_call: Any = None  # what `generation_stats` reads (`engine.keep_call_statistics`)
 
@@ -183,7 +185,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         if self._tuning is not None and target is not None:
             untune(target, self, self._tuning)
         self.bind_target(None)
-        self._tap, self._tuning, self._schedule = None, None, None
+        self._tap, self._tuning, self._cost_model = None, None, None
         return self
 
     @property
@@ -209,38 +211,39 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
         return check_schedule(getattr(self.generation_config, "num_assistant_tokens_schedule", None) or COST_SCHEDULE)
 
     @property
-    def proposal_schedule(self) -> ProposalSchedule:
-        """The cost-aware schedule's state for the block drafted now: the cycle costs `attach` timed here (None
-        untuned: then every slot is proposed), those timed at other batch sizes (`tuning.time_batch`), and the
-        acceptance fit, which learns across calls from the drafter's `block_tau` prior on. Assign
-        `drafter.cycle_costs` to use other costs, at every batch size."""
+    def cost_model(self) -> CostModel:
+        """What the cost-aware schedule knows of this drafter on this machine: the cycle costs `attach` timed here
+        (None untuned: then the largest block is drafted and every slot proposed), those timed at other batch sizes
+        (`tuning.time_batch`), the tau per block size, and the acceptance fit, which learns across calls from the
+        drafter's `block_tau` prior on. Assign `drafter.cycle_costs` to use other costs, at every batch size."""
         slots = self.config.block_size - 1
-        schedule = self._schedule
-        if schedule is None or schedule.acceptance.slots != slots:
-            costs = schedule.costs if schedule is not None else (self._tuning.costs if self._tuning else None)
-            timed = dict(schedule.batch_costs if schedule is not None else self._tuning.batch_costs if self._tuning
+        model = self._cost_model
+        if model is None or model.acceptance.slots != slots:
+            costs = model.costs if model is not None else (self._tuning.costs if self._tuning else None)
+            timed = dict(model.batch_costs if model is not None else self._tuning.batch_costs if self._tuning
                          else {})
+            block_tau = {int(b): float(t) for b, t in (self.decoding.block_tau or {}).items()}
             prior = chain_prior(self.decoding.block_tau, slots)
-            schedule = self._schedule = ProposalSchedule(costs, AcceptanceModel(prior), timed)
-        return schedule
+            model = self._cost_model = CostModel(costs, AcceptanceModel(prior), block_tau, timed)
+        return model
 
-    @proposal_schedule.setter
-    def proposal_schedule(self, schedule: ProposalSchedule) -> None:
-        """Use `schedule`'s costs and learned state from the next call on (e.g. a copy kept per setting, so that
-        what one setting's cycles teach does not steer another's)."""
-        if not isinstance(schedule, ProposalSchedule):
-            raise TypeError(f"proposal_schedule must be a ProposalSchedule, got {type(schedule).__name__}")
-        self._schedule = schedule
+    @cost_model.setter
+    def cost_model(self, model: CostModel) -> None:
+        """Use `model`'s costs and learned state from the next call on (e.g. a copy kept per setting, so that what
+        one setting's cycles teach does not steer another's)."""
+        if not isinstance(model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(model).__name__}")
+        self._cost_model = model
 
     @property
     def cycle_costs(self) -> CycleCosts | None:
-        return self.proposal_schedule.costs
+        return self.cost_model.costs
 
     @cycle_costs.setter
     def cycle_costs(self, costs: CycleCosts | None) -> None:
         """Costs set by hand stand for every batch size: batched calls time nothing then."""
-        schedule = self.proposal_schedule
-        schedule.costs, schedule.batch_costs, schedule.per_batch = costs, {}, False
+        model = self.cost_model
+        model.costs, model.batch_costs, model.per_batch = costs, {}, False
 
     @property
     def decoding(self) -> DecodingChoices:
@@ -268,7 +271,7 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_tap=None, _tuning=None, _unhook=None, _schedule=None, _compiled_draft=None, last_call=None)
+        state.update(_tap=None, _tuning=None, _unhook=None, _cost_model=None, _compiled_draft=None, last_call=None)
         return state
 
     @property

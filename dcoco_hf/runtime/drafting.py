@@ -23,7 +23,7 @@ from ..network.configuration_dcoco import DCOCOConfig, DecodingChoices
 from ..network.modeling_dcoco import Correction, DCOCODraftModel
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .device import device_sync
-from .proposal import ProposalSchedule
+from .proposal import CostModel
 from .tap import TargetTap
 
 
@@ -219,7 +219,7 @@ class AttachedDrafter(Protocol):
     def proposal_schedule_name(self) -> str: ...
 
     @property
-    def proposal_schedule(self) -> ProposalSchedule: ...
+    def cost_model(self) -> CostModel: ...
 
     def propose(
         self, anchor_ids: torch.LongTensor, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor,

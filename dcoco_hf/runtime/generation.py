@@ -54,11 +54,13 @@ from transformers.utils import ModelOutput
 
 from ..network.configuration_dcoco import check_tree_budget
 from .cpu_attention import CPU_GQA_ATTENTION
-from .engine import SpeculationEngine, keep_call_statistics, one_call, require_prompt_tokens
+from .engine import SpeculationEngine, keep_call_statistics, one_call, proposal_limits, require_prompt_tokens
+from .proposal import COST_SCHEDULE, drafts_at
 from .hf_compat import (
     attention_implementation,
     cache_kwargs,
     output_cache,
+    plain_decoding,
     prepared_by_generate,
     special_token_tensors,
 )
@@ -190,7 +192,7 @@ def speculative_generate(
     budget = drafter.decoding.tree_budget if tree_budget is None else check_tree_budget(tree_budget)
     sequences, stats = _speculative_loop(
         target, drafter, input_ids, kwargs.get("attention_mask"), logits_processor, stopping_criteria,
-        generation_config, _LoopOptions(correct, selection, budget), output_cache(kwargs),
+        generation_config, _LoopOptions(correct, selection, budget), kwargs,
     )
     keep_call_statistics(drafter, _BatchedRun(stats, sequences))
     if generation_config.return_dict_in_generate:
@@ -292,18 +294,49 @@ def _speculative_loop(
     stopping_criteria: StoppingCriteriaList,
     config: GenerationConfig,
     options: _LoopOptions,
-    cache: Cache | None,
+    model_kwargs: dict[str, Any],
 ) -> tuple[torch.LongTensor, list[DCOCOStats]]:
-    _check_supported(target, drafter, logits_processor, stopping_criteria, config, cache)
+    _check_supported(target, drafter, logits_processor, stopping_criteria, config, output_cache(model_kwargs))
     _check_left_padded(attention_mask)
-    tap = drafter.tap
+    tap, batch = drafter.tap, input_ids.shape[0]
     with one_call(drafter):  # refuses a second thread's call while this one runs
+        cost_aware = drafter.proposal_schedule_name == COST_SCHEDULE
+        if cost_aware and drafter.cost_model.needs_timing(batch):
+            time_batch(drafter, batch)  # this batch size's costs, timed once per machine and cached
+        if cost_aware and not drafts_at(drafter.cost_model, batch, proposal_limits(drafter.generation_config,
+                                                                                     drafter.config.block_size - 1)[0]):
+            return _plain_call(target, input_ids, logits_processor, stopping_criteria, config, model_kwargs)
         tap.listen(timed=drafter.time_phases)  # exact GPU phase times cost a sync per phase
         try:
             return _loop(target, drafter, input_ids, attention_mask, logits_processor, stopping_criteria, config,
                          options)
         finally:
             tap.stop()  # plain use of the target afterwards records nothing
+
+
+def _plain_call(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+) -> tuple[torch.LongTensor, list[DCOCOStats]]:
+    """The call as plain steps only, through transformers' own decoding loop (`hf_compat.plain_decoding`): where the
+    schedule expects no draft to beat a plain step at this batch size, even at the drafter's recorded tau, the call
+    costs what plain batched generate() costs. Each row's statistics count its committed tokens as plain steps."""
+    sequences = plain_decoding(target, input_ids, logits_processor, stopping_criteria, config, model_kwargs)
+    _, eos = _stops(config, stopping_criteria)
+    new = sequences[:, input_ids.shape[1] :]  # [B, T]
+    ended = torch.isin(new, eos) if eos is not None else torch.zeros_like(new, dtype=torch.bool)
+    # a row commits up to its first EOS; after it, generate() pads
+    committed = torch.where(ended.any(1), ended.int().argmax(1) + 1, new.shape[1]).tolist()
+    stats = []
+    for count in committed:
+        row = DCOCOStats()
+        row.observe_plain_steps(count, committed=count)
+        stats.append(row)
+    return sequences, stats
 
 
 @dataclass(frozen=True)
@@ -336,11 +369,8 @@ def _loop(
             rows.keep(kept, call.cache, call.engine.cache)
         started, active = time.perf_counter(), list(rows.ids)
         block = _propose(call, rows)
-        finished, committed = _verify_and_commit(call, rows, block)
-        call.engine.observe_cycle_time(
-            active, time.perf_counter() - started, block.nodes.shape[1], block.drafted, committed,
-            tree=block.trees is not None,
-        )
+        finished, verified = _verify_and_commit(call, rows, block)
+        call.engine.verified(active, *verified, seconds=time.perf_counter() - started)
     call.engine.finish()
     stats = call.engine.stats
     # The statistics count every committed token: the longest row without a sync.
@@ -363,8 +393,6 @@ def _start(
     context_length = static_capacity(prompt_len + max_new + slots, widest) + drafter.config.block_size
     engine = SpeculationEngine(drafter, batch, correct=options.correct, selection=options.selection,
                                context_length=context_length, tree_budget=budget)
-    if engine.schedule is not None and engine.schedule.needs_timing(batch):
-        time_batch(drafter, batch)  # this batch size's costs, timed once per machine and cached
     masks = TargetMasks(target, prompt_len + max_new + slots, widest, static_cache_wanted(config, device))
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()  # [B, L] key mask
     call = _Call(
@@ -401,10 +429,8 @@ def _prefill(call: _Call, rows: _Rows, input_ids: torch.LongTensor) -> list[int]
 def _propose(call: _Call, rows: _Rows) -> _Block:
     """One drafter forward for all active rows, and what the target verifies of it; or a plain step."""
     engine = call.engine
-    if engine.plain_left:  # a plain step for every row: no draft, the anchor alone
-        return _Block.chain(rows.anchor[:, None][:, :0], None)
-    drafted = engine.draft_block(rows.ids, call.cap)  # anchor + slots
-    if drafted is None:  # drafting is not expected to pay yet: plain steps (the first now)
+    drafted = engine.next_cycle(rows.ids)  # anchor + slots
+    if drafted is None:  # a plain step for every row: no draft, the anchor alone
         return _Block.chain(rows.anchor[:, None][:, :0], None)
     # The host knows whether some key is masked (padding, holes): with none, the drafter's attention takes its
     # unmasked path; else it gets the full mask, which it uses without first reading it for a masked key (a sync, as
@@ -430,9 +456,10 @@ def _propose(call: _Call, rows: _Rows) -> _Block:
     return block
 
 
-def _verify_and_commit(call: _Call, rows: _Rows, block: _Block) -> tuple[list[int], list[int]]:
+def _verify_and_commit(call: _Call, rows: _Rows, block: _Block) -> tuple[list[int], tuple]:
     """Verify [anchor, block] for every row at its true positions in one target forward, commit what each row's
-    path accepted, and move every row on by it. Returns (which rows finished, tokens each committed)."""
+    path accepted, and move every row on by it. Returns which rows finished, and what the engine is told of the
+    cycle (`SpeculationEngine.verified`'s arguments after the rows)."""
     n = block.nodes.shape[1]
     tokens = torch.cat([rows.anchor[:, None], block.nodes], dim=1)  # [b, n + 1]
     depths = torch.cat([torch.zeros_like(rows.anchor_pos[:, None]), block.depths], dim=1)  # [b, n + 1]
@@ -464,7 +491,6 @@ def _verify_and_commit(call: _Call, rows: _Rows, block: _Block) -> tuple[list[in
     committed = [row[4 : 4 + count] for row, count in zip(host, host_new)]
     path_tokens = [row[4 : 4 + depth] for row in host] if tree_cycle else None
     host_path = [row[4 + depth :] for row in host] if tree_cycle else None
-    call.engine.verified(rows.ids, n, host_accepted, committed, host_path, path_tokens)
 
     # Keep the block columns some row accepted; the rest of the tail goes; shorter rows keep masked holes.
     offsets = torch.arange(n + 1, device=tokens.device)
@@ -489,7 +515,7 @@ def _verify_and_commit(call: _Call, rows: _Rows, block: _Block) -> tuple[list[in
         rows.mask, rows.dmask = compact(call.cache, rows.mask, max(anchor_committed), dcache, rows.dmask,
                                         max(rows.committed))
     rows.committed = anchor_committed
-    return finished, host_new
+    return finished, (n, host_accepted, committed, host_path, path_tokens)
 
 
 def _target_forward(

@@ -23,7 +23,9 @@ name the package touches, so a new one cannot slip in elsewhere):
 * the special-token tensors `generate()` prepares on its generation config (`special_token_tensors`), which also
   tell a config `generate()` prepared from a user's (`prepared_by_generate`);
 * the flag that keeps transformers from dropping our own generation-config keys on load (`keep_own_keys`);
-* the cache keyword of a model forward seen by a hook (`forward_cache`).
+* the cache keyword of a model forward seen by a hook (`forward_cache`);
+* the decoding loop `generate()` runs for greedy search and sampling, `GenerationMixin._sample` (the same signature on
+  5.17 and 5.25), which a batched call whose schedule takes only plain steps runs itself (`plain_decoding`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ import transformers
 from packaging.version import Version
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
@@ -212,9 +216,26 @@ def _up_the_stack(frame: FrameType | None, max_depth: int, read: Callable[[Frame
     return None
 
 
+def plain_decoding(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: Any,
+    stopping_criteria: Any,
+    generation_config: Any,
+    model_kwargs: dict[str, Any],
+) -> torch.LongTensor:
+    """Plain decoding of a call generate() prepared for a custom_generate (its logits processors, stopping criteria,
+    generation config and model kwargs, the cache included), by the very loop generate() runs for greedy search and
+    sampling (`GenerationMixin._sample`, transformers 5.x): the same tokens and the same cost. Returns the sequences."""
+    output = target._sample(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                            generation_config=generation_config, **model_kwargs)
+    return output.sequences if isinstance(output, ModelOutput) else output
+
+
 __all__ = [
     "ASSISTED_EOS_CUT", "ASSISTED_STATIC_CACHE", "CACHE_KEY", "TRANSFORMERS_VERSION", "assisted_driver",
     "assisted_loop_cuts_at_eos", "assisted_loop_scores", "assisted_static_cache", "assisted_stopping_criteria",
-    "attention_implementation", "cache_kwargs", "forward_cache", "keep_own_keys", "output_cache", "proposal_length",
+    "attention_implementation", "cache_kwargs", "forward_cache", "keep_own_keys", "output_cache", "plain_decoding",
+    "proposal_length",
     "report_verifications", "require_assisted_static_cache", "set_proposal_length", "special_token_tensors",
 ]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftProposal
-from .proposal import NodeFeatures, PlannedTree
+from .acceptance import NodeFeatures, PlannedTree
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class DraftTrees:
     depths: torch.LongTensor
     nodes: list[list[TreeNode]]
     node_tokens: list[list[int]]
+    scores: TreeScores  # what they were built from
 
     @property
     def depth(self) -> int:
@@ -206,9 +207,44 @@ def best_first(
 
 
 def planned_tree(nodes: list[TreeNode]) -> PlannedTree:
-    """One row's nodes (best first) as the proposal schedule predicts and remembers them."""
+    """One row's nodes (best first) as the cost-aware schedule predicts them."""
     features = [node.features(node.parent < 0 or nodes[node.parent].on_chain) for node in nodes]
     return PlannedTree.of(features, [node.parent for node in nodes])
+
+
+@dataclass
+class TreeDraft:
+    """The tree proposer's offer for one draft: each row's `budget` most likely nodes, best first (`best_first`),
+    from which a schedule takes the first N (`Proposal.tree`)."""
+
+    scores: TreeScores
+    nodes: list[list[TreeNode]]
+
+    @classmethod
+    def of(cls, proposal: DraftProposal, budget: int) -> TreeDraft:
+        scores = tree_scores(proposal)
+        transitions = scores.transitions
+        nodes = [best_first(scores.first[i], transitions[i] if transitions is not None else None, scores.marginals[i],
+                            budget) for i in range(len(scores.first))]
+        return cls(scores, nodes)
+
+    @property
+    def size(self) -> int:
+        """The most nodes every row's tree holds."""
+        return min(map(len, self.nodes))
+
+    @property
+    def planned(self) -> list[PlannedTree]:
+        return [planned_tree(row) for row in self.nodes]
+
+    def chain(self) -> tuple[list[list[float]], list[list[int]]]:
+        """Each row's chain (the all-rank-0 path): its slots' confidences and tokens (`chain_of`)."""
+        confidence, tokens = zip(*(chain_of(self.scores, row) for row in range(len(self.nodes))))
+        return list(confidence), list(tokens)
+
+    def take(self, size: int, device: torch.device) -> DraftTrees:
+        """The rows' trees of their first `size` nodes, as the verify forward's block."""
+        return draft_trees(self.scores, [row[:size] for row in self.nodes], device)
 
 
 def draft_trees(scores: TreeScores, nodes: list[list[TreeNode]], device: torch.device) -> DraftTrees:
@@ -217,7 +253,7 @@ def draft_trees(scores: TreeScores, nodes: list[list[TreeNode]], device: torch.d
     depths = [[n.slot + 1 for n in row] for row in nodes]
     parents = [[n.parent + 1 for n in row] for row in nodes]  # as block columns
     block = torch.tensor([tokens, parents, depths], dtype=torch.long, device=device)  # one copy to the device
-    return DraftTrees(block[0], block[1], block[2], nodes, tokens)
+    return DraftTrees(block[0], block[1], block[2], nodes, tokens, scores)
 
 
 def path_order(path: torch.LongTensor, columns: int) -> torch.LongTensor:
@@ -250,5 +286,7 @@ def node_labels(
         labelled.append(found)
     return labelled
 
-__all__ = ["DraftTrees", "TreeNode", "TreeScores", "best_first", "chain_of", "draft_trees", "node_labels", "path_order",
-           "planned_tree", "tree_scores"]
+
+
+__all__ = ["DraftTrees", "TreeDraft", "TreeNode", "TreeScores", "best_first", "chain_of", "draft_trees", "node_labels",
+           "path_order", "planned_tree", "tree_scores"]

@@ -55,7 +55,8 @@ from .cpu_linear import (
 )
 from .hf_compat import attention_implementation
 from .logs import log, logger
-from .proposal import COST_SCHEDULE, MAX_TIMED_BLOCK, CycleCosts
+from .costs import MAX_TIMED_BLOCK, CycleCosts
+from .proposal import COST_SCHEDULE
 
 if TYPE_CHECKING:
     from .drafting import AttachedDrafter as DCOCODrafter
@@ -254,7 +255,7 @@ def verify_width(drafter: DCOCODrafter, blocks: list[int]) -> int:
 def time_batch(drafter: DCOCODrafter, batch: int) -> CycleCosts:
     """The cycle's costs at `batch` rows for the drafter's cost-aware schedule: timed at the power of two at or above
     `batch` the first time (a batched call's start; logged), then read from the tuning and its cache file."""
-    tuning, schedule = drafter.tuning, drafter.proposal_schedule
+    tuning, model = drafter.tuning, drafter.cost_model
     size = 1 << (batch - 1).bit_length()
     costs = tuning.batch_costs.get(size)
     if costs is None:
@@ -267,7 +268,7 @@ def time_batch(drafter: DCOCODrafter, batch: int) -> CycleCosts:
             + (f"; cached in {tuning.cache_file}" if tuning.cache_file is not None else ""))
         if tuning.cache_file is not None:
             _write(tuning.cache_file, tuning)
-    schedule.batch_costs[size] = costs
+    model.batch_costs[size] = costs
     return costs
 
 
