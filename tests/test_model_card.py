@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CARD = ROOT / "model_cards" / DEFAULT_DRAFTER_NAME
 _SYNC = runpy.run_path(str(ROOT / "scripts" / "sync_model_card.py"))
 _RESULTS = runpy.run_path(str(ROOT / "scripts" / "results_table.py"))
-_TREES = runpy.run_path(str(ROOT / "scripts" / "trees_bench.py"))
+_TREES = runpy.run_path(str(ROOT / "docs" / "history" / "trees_bench.py"))
 CODE_FILES = tuple(_SYNC["remote_code_files"]())
 HEAD_CARDS = [ROOT / "model_cards" / "lilicorr-smollm2-135m", ROOT / "model_cards" / "dflash2-selector-smollm2-135m"]
 # Each side-by-side bench JSON and the documents that show its table.
@@ -114,7 +114,7 @@ def _shown(doc: Path, start: str, end: str) -> str:
 def test_results_tables_are_their_json_files():
     """The README's, the card's and docs/results.md's results tables are `scripts/results_table.py`'s rendering of
     the benchmark JSON files they link to (`--write`), not figures typed by hand; so is docs/trees.md's table
-    (`scripts/trees_bench.py --render`)."""
+    (`docs/history/trees_bench.py --render`)."""
     rows = _RESULTS["api_rows"]() + _RESULTS["bench_rows"]()
     assert len(rows) >= 6, "docs/results/ lost its benchmark files"
     for doc, link in _RESULTS["DOCS"].items():
@@ -131,9 +131,9 @@ def test_results_tables_are_their_json_files():
     proposal = _shown(_RESULTS["PROPOSAL_DOC"], *_RESULTS["section_marks"]("proposal"))
     assert proposal == _RESULTS["proposal_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
     for name in _TREES["REPORTS"]:
-        trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text()))
+        trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "history" / f"{name}.json").read_text()))
         assert _shown(ROOT / "docs" / "trees.md", *_TREES["table_marks"](name)) == trees, (
-            f"run python scripts/trees_bench.py --render docs/results/{name}.json --write docs/trees.md")
+            f"run python docs/history/trees_bench.py --render docs/history/{name}.json --write docs/trees.md")
 
 
 def test_every_published_speed_names_its_tuning_line():
@@ -146,7 +146,7 @@ def test_every_published_speed_names_its_tuning_line():
         caption = _RESULTS["batch_table"](suite).split("\n\n")[-2:]
         assert len(caption) == 2 and all(line.search(part) for part in caption), (suite, caption)
     for name in _TREES["REPORTS"]:
-        trees = json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())
+        trees = json.loads((ROOT / "docs" / "history" / f"{name}.json").read_text())
         captions.append(_TREES["markdown_table"](trees).split("\n")[0])
     captions += [_RESULTS["sampling_table"]().split("\n")[-1], _RESULTS["split_table"]().split("\n")[-1]]
     for caption in captions:
@@ -166,7 +166,7 @@ def test_results_runs_kept_every_output_identical():
         for size, methods in json.loads(file.read_text())["results"].items():
             assert all(entry["equal_to_vanilla"] for entry in methods.values()), (file.name, size)
     for report in _TREES["REPORTS"]:
-        for name, methods in json.loads((ROOT / "docs" / "results" / f"{report}.json").read_text())["suites"].items():
+        for name, methods in json.loads((ROOT / "docs" / "history" / f"{report}.json").read_text())["suites"].items():
             assert all(r["identical"] == r["prompts"] > 0 for r in methods.values()), (report, name)
 
 

@@ -2,9 +2,10 @@
 
 * ``vanilla``: `target.generate(batch, attention_mask=...)` (left-padded).
 * ``dflash``: `speculative_generate(..., correct=False)`: the drafter's backbone, same weights, its chain the argmax
-  block and its trees the slots' marginals (DDTree's).
-* ``dcoco``: `speculative_generate(...)` with the corrector: its walk's chain, trees of its transition scores.
-* ``dflash-chain``, ``dcoco-chain``: the same with `tree_budget=0` (chains only).
+  block.
+* ``dcoco``: `speculative_generate(...)` with the corrector: its walk's chain.
+* ``dflash-trees``, ``dcoco-trees``: the same with `tree_budget=16`: draft trees of the slots' marginals (DDTree's)
+  or of the corrector's transition scores, sized per cycle by the cost schedule.
 
 Before measuring, the cycle's costs are timed at each batch size (`tuning.time_batch`, cached per machine), so
 no timed call pays for it; the report names the tuning line and each batch size's timed costs, and per batch size
@@ -46,7 +47,8 @@ from ..runtime.proposal import COST_SCHEDULE
 from ..runtime.stats import DCOCOStats
 from ..runtime.tuning import VERIFY_REFERENCE_ROWS, time_batch
 
-BATCH_METHODS = ("vanilla", "dflash", "dcoco", "dflash-chain", "dcoco-chain")
+BATCH_METHODS = ("vanilla", "dflash", "dcoco", "dflash-trees", "dcoco-trees")
+TREE_BUDGET = 16  # the -trees methods' budget
 DEFAULT_METHODS = ("vanilla", "dflash", "dcoco")
 
 
@@ -68,8 +70,8 @@ def _run_method(target, drafter, method, ids, mask, kwargs) -> tuple[torch.LongT
         sequences, stats = target.generate(ids, attention_mask=mask, **kwargs), None
     else:
         options = {"correct": method.startswith("dcoco")}
-        if method.endswith("-chain"):
-            options["tree_budget"] = 0
+        if method.endswith("-trees"):
+            options["tree_budget"] = TREE_BUDGET
         out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, **options, **kwargs)
         sequences, stats = out.sequences, sum(out.stats, DCOCOStats())
     sync()

@@ -186,6 +186,7 @@ class BenchSettings:
     warmup: int = 1
     seed: int = 0
     static_cache: bool = False
+    rounds: int = 1  # timed runs of every method per prompt; each method's median counts
 
     @property
     def greedy(self) -> bool:
@@ -315,7 +316,8 @@ class MethodRunner:
         )
 
     def _dcoco_stats(self, output: torch.LongTensor) -> DCOCOStats:
-        return self.drafter.generation_stats(output)  # also stops the target tap recording
+        stats = self.drafter.generation_stats(output)  # also stops the target tap recording
+        return sum(stats, DCOCOStats()) if isinstance(stats, list) else stats  # the batched loop's: one per row
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,17 +378,26 @@ def run_bench(
         records: list[RunRecord] = []
         for position, (item, input_ids) in enumerate(zip(prompts, encoded)):
             try:
-                row = [runner.run(method, item.suite, item.index, input_ids) for method in rotated(methods, position)]
+                runs = [runner.run(method, item.suite, item.index, input_ids)
+                        for turn in range(settings.rounds)
+                        for method in rotated(methods, position * settings.rounds + turn)]
             except KeyboardInterrupt:  # a half-run prompt is dropped: every method must have run on each prompt
                 raise BenchInterrupted(records, len(prompts)) from None
+            row = [_median_run([run for run in runs if run.method == method]) for method in methods]
             _compare_with_vanilla(row, settings.greedy)
-            records += sorted(row, key=lambda record: methods.index(record.method))
+            records += row
             if progress:
                 timings = ", ".join(f"{r.method} {r.seconds:.2f}s" for r in records[-len(methods):])
                 log(f"prompt {position + 1}/{len(prompts)} ({item.suite} #{item.index}): {timings}")
     finally:
         runner.close()
     return records
+
+
+def _median_run(runs: list[RunRecord]) -> RunRecord:
+    """Of one method's rounds on one prompt, the run of median seconds (the lower middle of an even count): a slow
+    spell of the machine during one round does not count."""
+    return sorted(runs, key=lambda run: run.seconds)[(len(runs) - 1) // 2]
 
 
 def _compare_with_vanilla(row: list[RunRecord], greedy: bool) -> None:

@@ -172,6 +172,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.warmup < 0:
         raise CLIError(f"--warmup {args.warmup} is negative")
+    if getattr(args, "rounds", 1) < 1:
+        raise CLIError(f"--rounds {args.rounds}: need at least 1 timed run per method")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads {args.threads}: need at least 1")
     for option, value in (("--target", args.target), ("--drafter", getattr(args, "drafter", None))):

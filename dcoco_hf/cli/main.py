@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="target KV cache: dynamic (default) or static (the GPU/torch.compile path)")
     bench.add_argument("--warmup", type=int, default=1,
                        help="untimed rounds of every method before measuring (default 1)")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="timed runs of every method per prompt, each round in the next rotated order; each "
+                       "method's median run on the prompt counts (default 1)")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write the full results as JSON")
     bench.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     bench.set_defaults(handler=cmd_bench)
@@ -244,6 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         seed=args.seed,
         static_cache=args.cache == "static",
+        rounds=args.rounds,
     )
     log(f"benchmarking {len(methods)} method(s) on {len(prompts)} prompt(s)")
     try:

@@ -367,7 +367,7 @@ class CostSchedule:
         self.model, self.cap, self.floor = model, cap, floor
         self.answers, self.stats, self.draft_vocabulary = answers, stats, draft_vocabulary
         self.recent = [model.acceptance.prior[0]] * rows  # per row: its running slot-1 acceptance
-        self.recent_drafts: deque[tuple[list[float], float, float]] = deque(maxlen=RECENT_DRAFTS)
+        self.recent_drafts: deque[list[float]] = deque(maxlen=RECENT_DRAFTS)  # their slot confidences
         self.plain_run = 0  # the last run of plain steps planned
         self.plain_left = 0  # plain steps still to take after this one
         self.plain_since_draft = 0
@@ -403,14 +403,16 @@ class CostSchedule:
 
     def _gain(self, block: int, rows: Sequence[int]) -> float:
         """Expected tokens per second of drafting `block`, over a plain step's: the recent drafts (their slot
-        confidences, re-predicted at the rows' acceptance now), each proposed at its best k; before any draft, the
-        drafter's recorded tau for the block."""
+        confidences, re-predicted at the rows' acceptance now; a slot a draft did not hold, as a smaller batch's block
+        may not, at confidence 0.5: the fit's prior), each proposed at its best k; before any draft, the drafter's
+        recorded tau for it."""
         seconds = self.model.cycle_seconds(block, len(rows))  # [k]
         recent = sum(self.recent[row] for row in rows) / len(rows)
         draftable = sum(self._draftable(row) for row in rows) / len(rows)
         tokens = spent = 0.0
-        for confidence, *_ in self.recent_drafts:
-            predicted = self.model.acceptance.predict(confidence[: block - 1], recent, draftable)
+        for confidence in self.recent_drafts:
+            held = confidence[: block - 1] + [0.5] * (block - 1 - len(confidence))
+            predicted = self.model.acceptance.predict(held, recent, draftable)
             expected = expected_tokens(predicted, self.cap, self.floor)  # [k + 1]
             k = 1 + fastest(expected[1:], seconds[1 : len(expected)])
             tokens, spent = tokens + expected[k], spent + seconds[k]
@@ -450,7 +452,7 @@ class CostSchedule:
         self._cycle = (draft.block, expected, "tree" if choice.tree else "chain")
         if not draft.blind:
             for i, row in enumerate(rows):
-                self.recent_drafts.append((confidence[i], self.recent[row], shares[i]))
+                self.recent_drafts.append(confidence[i])
                 if not choice.tree:  # a tree cycle learns from its nodes' labels instead
                     block = _Pending(len(self.answers[row]), tokens[i], confidence[i], predicted[i], self.recent[row],
                                      shares[i])

@@ -1,7 +1,10 @@
 """Draft trees against the same drafter's chain, in one run: tau, speed and what happens after an accepted sibling.
 
-    python scripts/trees_bench.py --suites humaneval:10,mtbench:10,mixed-heldout:10 --json docs/results/trees.json
-    python scripts/trees_bench.py --render docs/results/trees.json --write docs/trees.md   # its table
+    python docs/history/trees_bench.py --suites humaneval:10,mtbench:10,mixed-heldout:10 --json docs/history/trees.json
+    python docs/history/trees_bench.py --render docs/history/trees.json --write docs/trees.md   # its table
+
+It answered whether draft trees pay on a CPU (docs/trees.md: not on the 2-core CPU timed, hence `tree_budget=0` by
+default); its runs are docs/history/trees.json and trees_default.json.
 
 Every method is `speculative_generate` on one prompt at a time (the batched loop at batch 1, where trees live) with
 the shipped drafter attached by default `attach`, against plain `generate()`; per prompt the methods run back to
@@ -41,9 +44,10 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dcoco_hf import DCOCOStats, speculative_generate
 from dcoco_hf.assets import default_target_path
-from dcoco_hf.runtime.proposal import CycleCosts, ProposalSchedule
+from dcoco_hf.runtime.costs import CycleCosts
+from dcoco_hf.runtime.proposal import CostModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from api_bench import DEFAULT_DRAFTER, chat_inputs, load_suite, machine  # noqa: E402
 from results_table import replace_between, tuning_line  # noqa: E402
 
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     tuning = drafter.tuning.summary()
     print(tuning)
     generation = drafter.generation_config
-    learned = {method: copy.deepcopy(drafter.proposal_schedule) for method in METHODS}
+    learned = {method: copy.deepcopy(drafter.cost_model) for method in METHODS}
     for method in FLAT_VERIFY:
         flat_verify(learned[method])
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             return out, time.perf_counter() - start, None
         schedule, budget, correct = METHODS[method]
         generation.num_assistant_tokens_schedule = schedule
-        drafter.proposal_schedule = learned[method]
+        drafter.cost_model = learned[method]
         result = speculative_generate(target, inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                       drafter=drafter, correct=correct, tree_budget=budget, **settings)
         return result.sequences, time.perf_counter() - start, sum(result.stats, DCOCOStats())
@@ -118,9 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     order_all = ["plain", *methods]
     costs = drafter.cycle_costs
     verify = {n: costs.verify_seconds(n) / costs.plain for n in VERIFY_COLUMNS} if costs is not None else {}
-    report = {"command_line": ["python", "scripts/trees_bench.py", *argv], "machine": machine(), "tuning": tuning,
+    report = {"command_line": ["python", "docs/history/trees_bench.py", *argv], "machine": machine(), "tuning": tuning,
               "verify_over_plain": verify,
-              "config": {"command_line": ["python", "scripts/trees_bench.py", *argv], "block_size":
+              "config": {"command_line": ["python", "docs/history/trees_bench.py", *argv], "block_size":
                          drafter.config.block_size, "max_new_tokens": args.max_new_tokens, "methods": methods,
                          "rounds": args.rounds},
               "suites": {}}
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def flat_verify(schedule: ProposalSchedule) -> None:
+def flat_verify(schedule: CostModel) -> None:
     """Price every verify width (up to 33 columns) as this machine's plain step, drafts as timed, for one row, and
     keep those prices: the loop residual is not learned (this CPU's wide forwards would teach their own cost)."""
     costs = schedule.costs
@@ -202,12 +206,12 @@ def print_suite(name: str, suite: dict, methods: list[str]) -> None:
 
 SUITE_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "mixed-heldout": "held-out chat + code"}
 VERIFY_COLUMNS = (2, 4, 5, 8, 9, 12, 16, 17)  # the widths the caption reports: chains, small trees, the largest tree
-REPORTS = ("trees", "trees_default")  # docs/results/NAME.json, each rendered into docs/trees.md
+REPORTS = ("trees", "trees_default")  # docs/history/NAME.json, each rendered into docs/trees.md
 
 
 def table_marks(name: str) -> tuple[str, str]:
-    """The markers around the table of docs/results/`name`.json in a document."""
-    return (f"<!-- {name} table: python scripts/trees_bench.py --render docs/results/{name}.json -->",
+    """The markers around the table of docs/history/`name`.json in a document."""
+    return (f"<!-- {name} table: python docs/history/trees_bench.py --render docs/history/{name}.json -->",
             f"<!-- end of {name} table -->")
 
 
