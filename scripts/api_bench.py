@@ -9,7 +9,8 @@ The target and the drafter load with `from_pretrained` (the drafter through `Aut
 the Hub), `drafter.attach(target)` tunes both for this machine, and every run is a plain `target.generate()` call,
 with or without `assistant_model=drafter` ("assisted"); "batched" is `speculative_generate` on the one prompt (the
 batched loop at batch 1: draft trees, `tree_budget`). For each prompt the methods run back to back, in an order
-rotated per prompt, so slow spells of a noisy machine slow all alike. Printed per suite: tau (tokens committed per
+shuffled per prompt, so slow spells of a noisy machine slow all alike (the runner of `dcoco-hf bench`: "plain",
+"assisted" and "batched" are its vanilla, dcoco and speculative methods). Printed per suite: tau (tokens committed per
 target forward, from `drafter.generation_stats`), the speedup as the ratio of tokens per second to plain, the
 corrector's share of the drafter's time, and how many outputs are identical to plain greedy decoding; first, the
 tuning line of the run (plain step, verify of 8 rows as a multiple of it), on which every speedup depends: compare
@@ -28,14 +29,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from dcoco_hf import DCOCOStats, speculative_generate
 from dcoco_hf.assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from dcoco_hf.cli.bench import BenchSettings, PromptItem, RunRecord, run_bench
 from dcoco_hf.runtime.proposal import SCHEDULES
 from dcoco_hf.runtime.tuning import cpu_name
 
@@ -43,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = ROOT / "model_cards" / "dcoco-smollm2-135m"
 PROMPT_FILES = ROOT / "scripts" / "prompts"
 METHODS = ("plain", "assisted", "batched")
+# Each as the bench names it: plain generate(), generate(assistant_model=drafter), speculative_generate at batch 1.
+BENCH_METHOD = {"plain": "vanilla", "assisted": "dcoco", "batched": "speculative"}
+API_METHOD = {bench: api for api, bench in BENCH_METHOD.items()}
 
 
 def load_suite(spec: str, skip: int) -> tuple[str, list[str]]:
@@ -57,12 +60,6 @@ def load_suite(spec: str, skip: int) -> tuple[str, list[str]]:
         raise SystemExit(f"--suites {spec}: no suite or scripts/prompts/{name}.jsonl; suites: {', '.join(SUITES)}")
     prompts = prompts[skip:]
     return name, prompts[: int(limit)] if limit else prompts
-
-
-def timed(run) -> tuple[torch.LongTensor, float]:
-    start = time.perf_counter()
-    out = run()
-    return out, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,41 +98,23 @@ def main(argv: list[str] | None = None) -> dict:
     tuning = drafter.tuning.summary() if drafter.tuning else "untuned"
     print(f"target {target_path}, drafter {args.drafter}, {args.max_new_tokens} new tokens max\n{tuning}")
 
-    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    runners = {
-        "plain": lambda inputs: target.generate(**inputs, **settings),
-        "assisted": lambda inputs: target.generate(**inputs, assistant_model=drafter, **settings),
-        "batched": lambda inputs: speculative_generate(target, inputs["input_ids"], drafter=drafter,
-                                                       attention_mask=inputs["attention_mask"], **settings).sequences,
-    }
     report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(), "tuning": tuning,
               "methods": methods, "suites": {}}
-    with torch.no_grad():
-        warm = chat_inputs(tokenizer, "Say hi.")
-        for method in methods:  # untimed: one-off allocation, kernel selection, and each batch size's costs
-            runners[method](warm)
-        for name, prompts in suites.items():
-            records = []
-            for index, prompt in enumerate(prompts):
-                inputs = chat_inputs(tokenizer, prompt)
-                order = methods[index % len(methods):] + methods[: index % len(methods)]
-                runs, stats = {}, {}
-                for method in order:
-                    runs[method] = timed(lambda: runners[method](inputs))
-                    if method != "plain":
-                        stats[method] = drafter.generation_stats(runs[method][0])
-                records.append(record(prompt, inputs, runs, stats))
-                print(f"[{name} {index + 1}/{len(prompts)}] " + ", ".join(
-                    f"{m} {r['seconds']:.2f} s" + (f" tau {r['tau']:.2f}" if "tau" in r else "")
-                    for m, r in records[-1]["methods"].items()), file=sys.stderr, flush=True)
-            totals = summarise(records, methods)
-            report["suites"][name] = {"prompts": len(prompts), "totals": totals, "records": records}
-            for method in methods[1:]:
-                t = totals[method]
-                print(f"{name}: {method} tau {t['tau']:.2f} | speedup {t['speedup']:.2f}x (tokens/s, same run) | "
-                      f"corrector share {100 * t['corrector_share']:.1f}% | identical {t['identical']}/{len(prompts)} "
-                      f"| cycles per proposal length (0 = plain step) {t['proposal_lengths']}, "
-                      f"trees {t['tree_cycles']}")
+    items = [PromptItem(name, index, text) for name, prompts in suites.items() for index, text in enumerate(prompts)]
+    # The bench's runner: every method on each prompt, in an order shuffled per prompt (`dcoco-hf bench`).
+    records = run_bench(target, tokenizer, drafter, items, [BENCH_METHOD[m] for m in methods],
+                        BenchSettings(max_new_tokens=args.max_new_tokens))
+    for name, prompts in suites.items():
+        suite = [record(prompts[index], [r for r in records if (r.suite, r.prompt_index) == (name, index)])
+                 for index in range(len(prompts))]
+        totals = summarise(suite, methods)
+        report["suites"][name] = {"prompts": len(prompts), "totals": totals, "records": suite}
+        for method in methods[1:]:
+            t = totals[method]
+            print(f"{name}: {method} tau {t['tau']:.2f} | speedup {t['speedup']:.2f}x (tokens/s, same run) | "
+                  f"corrector share {100 * t['corrector_share']:.1f}% | identical {t['identical']}/{len(prompts)} "
+                  f"| cycles per proposal length (0 = plain step) {t['proposal_lengths']}, "
+                  f"trees {t['tree_cycles']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, separators=(",", ":")) + "\n", encoding="utf-8")
@@ -147,19 +126,17 @@ def chat_inputs(tokenizer, prompt: str) -> dict:
                                          return_tensors="pt", return_dict=True)
 
 
-def record(prompt: str, inputs: dict, runs: dict, stats: dict) -> dict:
-    """One prompt's figures per method."""
-    prompt_length = inputs["input_ids"].shape[1]
-    plain = runs["plain"][0]
+def record(prompt: str, runs: list[RunRecord]) -> dict:
+    """One prompt's figures per method, from the bench's records of its runs."""
     methods = {}
-    for method, (out, seconds) in runs.items():
-        entry = {"tokens": out.shape[1] - prompt_length, "seconds": seconds}
-        if method in stats:  # the batched loop's statistics: one per row
-            total = sum(stats[method], DCOCOStats()) if isinstance(stats[method], list) else stats[method]
+    for run in runs:
+        entry = {"tokens": run.new_tokens, "seconds": run.seconds}
+        if run.dcoco is not None:
+            total = run.dcoco
             entry.update(tau=total.tau, target_forwards=total.target_forwards,
-                         corrector_seconds=total.corrector_seconds, identical=torch.equal(out, plain),
+                         corrector_seconds=total.corrector_seconds, identical=bool(run.equal_to_vanilla),
                          proposal_lengths=total.proposal_lengths, tree_cycles=total.tree_cycles)
-        methods[method] = entry
+        methods[API_METHOD[run.method]] = entry
     return {"prompt": prompt, "methods": methods}
 
 

@@ -3,7 +3,7 @@ interleaved per prompt.
 
 `dcoco-hf bench` loads one drafter; this loads those that share their DFlash backbone (the DCOCO drafter, a LiLiCorr
 drafter trained on its frozen backbone and, with --selector-drafter, a DFlash2 selector trained the same way) and
-runs, for each prompt, in an order rotated per prompt:
+runs, for each prompt, in an order shuffled per prompt (`dcoco-hf bench`'s `run_order`):
 
 * vanilla:   plain greedy `target.generate()`;
 * dflash@B:  the DCOCO drafter with its corrector off (plain DFlash argmax blocks, our engine);
@@ -47,7 +47,7 @@ from dcoco_hf.cli.bench import (
     build_report,
     encode_prompt,
     format_table,
-    rotated,
+    run_order,
     summarise,
 )
 from dcoco_hf.runtime.block_choice import measure_cycle_costs, set_block_size
@@ -169,7 +169,7 @@ def main() -> None:
             runners[runner].run(method, prompts[0].suite, prompts[0].index, encoded[0])
         for position, (item, input_ids) in enumerate(zip(prompts, encoded)):
             row = []
-            for label, runner, method in rotated(plan, position):
+            for label, runner, method in run_order(plan, position):
                 record = runners[runner].run(method, item.suite, item.index, input_ids)
                 record.method = label
                 row.append(record)

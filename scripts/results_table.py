@@ -270,6 +270,35 @@ def proposal_table() -> str:
     return "\n".join([*lines, "", *api_caption()])
 
 
+SCHEDULE_RUNS = {"schedule_code.json": "HumanEval, prompts 41-60", "schedule_chat.json": "MT-Bench, questions 21-32"}
+FIXED_BLOCKS = (3, 4, 5)
+
+
+def schedule_table() -> str:
+    """docs/proposal.md's comparison of the default schedule with whole blocks of 3, 4 and 5 (the constant schedule),
+    through both calls, interleaved on the same held-out prompts: speedup over plain `generate()` (tokens per second)
+    and tau, and the default's speed over the best fixed block's."""
+    lines = ["| prompts | call | default | block 3 | block 4 | block 5 | default / best block | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    captions = []
+    for file, name in SCHEDULE_RUNS.items():
+        report = _load(file)
+        if report is None:
+            continue
+        methods = report["methods"]
+        for call, method in (("`generate(assistant_model=)`", "dcoco"), ("`speculative_generate`", "speculative")):
+            fixed = [methods[f"{method}@{b}"] for b in FIXED_BLOCKS]
+            default = methods[method]
+            best = max(entry["tokens_per_s"] for entry in fixed)
+            identical = all(entry["equal_to_vanilla"] == 1.0 for entry in [default, *fixed])
+            cells = [f"{entry['speedup']:.2f}x (tau {entry['tau']:.2f})" for entry in [default, *fixed]]
+            lines.append(f"| {name} | {call} | " + " | ".join(cells) +
+                         f" | {default['tokens_per_s'] / best:.3f} | {'all' if identical else 'NOT all'} |")
+        config = report["config"]
+        captions.append(f"`{' '.join(config['command_line'])}`: tuning line {tuning_line(config.get('tuning'))}.")
+    return "\n".join([*lines, "", *captions]) if captions else ""
+
+
 def split_table() -> str:
     """Two forwards (a plain step of the failing half, a verify of the rest) over one, per batch size and k."""
     report = _load(SPLIT_RUN)
@@ -306,6 +335,7 @@ def write() -> None:
     for name, render in SECTIONS.items():
         replace_between(RESULTS_DOC, render(), *section_marks(name))
     replace_between(PROPOSAL_DOC, proposal_table(), *section_marks("proposal"))
+    replace_between(PROPOSAL_DOC, schedule_table(), *section_marks("schedule"))
 
 
 def replace_between(doc: Path, rendered: str, start: str = START, end: str = END) -> None:

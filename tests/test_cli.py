@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from dcoco_hf import DCOCODrafter
+from dcoco_hf.cli import bench as bench_module
 from dcoco_hf.cli import common as cli_common
 from dcoco_hf.cli import main as cli
 from dcoco_hf.cli.bench import (
@@ -30,7 +31,7 @@ from dcoco_hf.cli.bench import (
     BenchSettings,
     MethodRunner,
     format_report,
-    rotated,
+    run_order,
 )
 from dcoco_hf.network.configuration_dcoco import DecodingChoices
 from dcoco_hf.runtime.cpu_linear import LAYOUTS
@@ -266,6 +267,33 @@ def test_bench_compares_block_sizes_interleaved(tiny):
     assert "dcoco@5" in result.out
 
 
+def test_bench_runs_speculative_generate_and_rounds(tiny):
+    """`speculative` methods time `speculative_generate` beside `generate(assistant_model=)`; with --rounds N every
+    method runs N times per prompt (each round in its own order) and its median run is the one reported."""
+    calls = []
+    real = bench_module.MethodRunner.run
+
+    def counting(self, method, *args, **kwargs):
+        calls.append(method)
+        return real(self, method, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_module.MethodRunner, "run", counting)
+        result = run_cli(
+            "bench", *tiny.model_args, "--prompts", tiny.prompts, "--limit", 2, "--max-new-tokens", 12, "--warmup", 0,
+            "--rounds", 3, "--methods", "vanilla,speculative,speculative@3,dcoco", "--json", tiny.root / "rounds.json",
+        )
+    assert result.code == 0, result.err
+    assert {method: calls.count(method) for method in set(calls)} == {
+        "vanilla": 6, "speculative": 6, "speculative@3": 6, "dcoco": 6}
+    report = json.loads((tiny.root / "rounds.json").read_text())
+    assert [run["method"] for run in report["runs"]] == ["vanilla", "speculative", "speculative@3", "dcoco"] * 2
+    methods = report["methods"]
+    assert all(methods[name]["equal_to_vanilla"] == 1.0 for name in ("speculative", "speculative@3", "dcoco"))
+    assert len(methods["speculative@3"]["per_slot_accept"]) == 2 and methods["speculative"]["tau"] > 1.0
+    assert run_cli("bench", *tiny.model_args, "--rounds", 0).code != 0
+
+
 def test_a_drafter_trained_on_longer_blocks_drafts_them_on_request(tiny):
     """A folder written before config.json held one block size (mixed-horizon training: block_size the default
     block, max_block_size the longest trained, generation_config.json's num_assistant_tokens the default's slots)
@@ -461,10 +489,15 @@ def test_missing_matplotlib_names_the_extra(tiny, monkeypatch):
     assert not (tiny.root / "never").exists()
 
 
-def test_methods_are_rotated_per_prompt():
-    orders = [rotated(METHODS, i) for i in range(len(METHODS))]
-    assert {order[0] for order in orders} == set(METHODS)
+def test_methods_run_in_an_order_shuffled_per_prompt():
+    """Repeatable; over many prompts every method runs first, and right after every other method, so no method
+    always follows the same one (as a rotation would have it)."""
+    orders = [run_order(METHODS, turn) for turn in range(200)]
+    assert orders == [run_order(METHODS, turn) for turn in range(200)]
     assert all(sorted(order) == sorted(METHODS) for order in orders)
+    assert {order[0] for order in orders} == set(METHODS)
+    followers = {(a, b) for order in orders for a, b in zip(order, order[1:])}
+    assert followers == {(a, b) for a in METHODS for b in METHODS if a != b}
 
 
 def test_python_m_entry_point():

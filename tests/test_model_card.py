@@ -130,6 +130,8 @@ def test_results_tables_are_their_json_files():
         assert _shown(results, *_RESULTS["section_marks"](name)) == render() != "", name
     proposal = _shown(_RESULTS["PROPOSAL_DOC"], *_RESULTS["section_marks"]("proposal"))
     assert proposal == _RESULTS["proposal_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
+    schedule = _shown(_RESULTS["PROPOSAL_DOC"], *_RESULTS["section_marks"]("schedule"))
+    assert schedule == _RESULTS["schedule_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
     for name in _TREES["REPORTS"]:
         trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "history" / f"{name}.json").read_text()))
         assert _shown(ROOT / "docs" / "trees.md", *_TREES["table_marks"](name)) == trees, (
@@ -149,6 +151,7 @@ def test_every_published_speed_names_its_tuning_line():
         trees = json.loads((ROOT / "docs" / "history" / f"{name}.json").read_text())
         captions.append(_TREES["markdown_table"](trees).split("\n")[0])
     captions += [_RESULTS["sampling_table"]().split("\n")[-1], _RESULTS["split_table"]().split("\n")[-1]]
+    captions += _RESULTS["schedule_table"]().split("\n\n")[-1].split("\n")
     for caption in captions:
         assert line.search(caption), caption
 
@@ -165,6 +168,9 @@ def test_results_runs_kept_every_output_identical():
     for file in sorted((ROOT / "docs" / "results").glob("bench_batch_*.json")):
         for size, methods in json.loads(file.read_text())["results"].items():
             assert all(entry["equal_to_vanilla"] for entry in methods.values()), (file.name, size)
+    for file in _RESULTS["SCHEDULE_RUNS"]:
+        for method, summary in json.loads((ROOT / "docs" / "results" / file).read_text())["methods"].items():
+            assert summary["equal_to_vanilla"] == 1.0, (file, method)
     for report in _TREES["REPORTS"]:
         for name, methods in json.loads((ROOT / "docs" / "history" / f"{report}.json").read_text())["suites"].items():
             assert all(r["identical"] == r["prompts"] > 0 for r in methods.values()), (report, name)

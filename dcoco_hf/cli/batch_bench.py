@@ -12,7 +12,7 @@ no timed call pays for it; the report names the tuning line and each batch size'
 each method's cycles: plain steps, chain proposals per length, tree cycles.
 
 For each batch size, the prompts are cut into batches (the prompt list is cycled to fill the last one) and every
-batch runs every method back to back, in an order rotated per batch, so slow phases of a shared machine hit all
+batch runs every method back to back, in an order shuffled per batch, so slow phases of a shared machine hit all
 methods alike and the ratios measured in one run stay fair; `--rounds N` runs every batch N times. Speedups: the
 summed tokens/s over plain's, and the median over batch runs of each run's ratio to plain on the same batch. tau =
 committed tokens / target forwards, summed over rows (one batched forward counts once per row it serves).
@@ -40,6 +40,7 @@ from .common import (
     write_results,
 )
 from ..runtime.cpu_linear import few_rows_plan
+from .bench import run_order
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.generation import speculative_generate
 from ..runtime.logs import log
@@ -126,7 +127,7 @@ def run_batch_bench(
         for index, (ids, mask) in enumerate(batches * rounds):
             ids, mask = ids.to(device), mask.to(device)
             outputs = {}
-            for method in methods[index % len(methods) :] + methods[: index % len(methods)]:
+            for method in run_order(methods, index):
                 torch.manual_seed(seed + index)
                 sequences, seconds, stats = _run_method(target, drafter, method, ids, mask, kwargs)
                 outputs[method] = sequences
@@ -225,7 +226,7 @@ def add_bench_batch_parser(commands: Any, common: argparse.ArgumentParser) -> No
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per row (default 64)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed short rounds per batch size (default 1)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="timed runs of every batch per method, in a rotated order (default 1)")
+                        help="timed runs of every batch per method, each in its own shuffled order (default 1)")
     parser.add_argument("--random-drafter", action="store_true",
                         help="use an untrained DCOCODrafter.from_target(target) (smoke tests; tau ~ 1)")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")

@@ -16,7 +16,7 @@ Every method is a plain `target.generate(...)` call, so the numbers are what a t
 * ``speculative``: `speculative_generate(target, input_ids, drafter=drafter, ...)`, the batched loop, one prompt at
   a time, with the drafter's schedule and tree budget.
 
-Methods run interleaved (for each prompt, every method once, in an order rotated per prompt), so slow phases of a
+Methods run interleaved (for each prompt, every method once, in an order shuffled per prompt), so slow phases of a
 shared, noisy machine hit all methods alike and the speed ratios stay fair. Speedup is a ratio of tokens per second
 against ``vanilla`` on the same prompts: under sampling the methods' outputs differ in length, so a ratio of times
 would credit a method for writing less.
@@ -29,6 +29,7 @@ tau for the prefix-first walk and for any walk, drafter and corrector time) come
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -340,10 +341,14 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.LongTe
     return tokenizer(text, return_tensors="pt")["input_ids"].long()
 
 
-def rotated(methods: Sequence[str], shift: int) -> list[str]:
-    """`methods` rotated left by `shift`: each prompt starts with a different method."""
-    shift %= len(methods)
-    return list(methods[shift:]) + list(methods[:shift])
+def run_order(methods: Sequence[str], turn: int) -> list[str]:
+    """The order `methods` run in on turn `turn` (a prompt's round): a permutation drawn from a generator seeded with
+    the turn, so runs are repeatable and, over the turns, every method runs first, last and right after every other
+    about equally often. A rotation would keep the cyclic order, so one method would always follow the same one
+    (vanilla's plain loop, say) and carry whatever that one leaves behind in the allocator and caches."""
+    order = list(methods)
+    random.Random(turn).shuffle(order)
+    return order
 
 
 class BenchInterrupted(Exception):
@@ -380,7 +385,7 @@ def run_bench(
             try:
                 runs = [runner.run(method, item.suite, item.index, input_ids)
                         for turn in range(settings.rounds)
-                        for method in rotated(methods, position * settings.rounds + turn)]
+                        for method in run_order(methods, position * settings.rounds + turn)]
             except KeyboardInterrupt:  # a half-run prompt is dropped: every method must have run on each prompt
                 raise BenchInterrupted(records, len(prompts)) from None
             row = [_median_run([run for run in runs if run.method == method]) for method in methods]
@@ -603,7 +608,7 @@ __all__ = [
     "format_report",
     "format_table",
     "greedy_mismatch_reason",
-    "rotated",
+    "run_order",
     "run_bench",
     "set_block_size",
     "split_method",

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         parents=[common],
         help="benchmark vanilla, prompt lookup, DFlash and DCOCO variants on prompt suites",
-        description="Runs the methods interleaved (for each prompt every method once, order rotated per prompt) "
+        description="Runs the methods interleaved (for each prompt every method once, order shuffled per prompt) "
         "and reports tokens/s, speedup over vanilla, tau, acceptance and (greedy) exactness.",
     )
     bench.add_argument("--methods", default=",".join(METHODS),
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1,
                        help="untimed rounds of every method before measuring (default 1)")
     bench.add_argument("--rounds", type=int, default=1,
-                       help="timed runs of every method per prompt, each round in the next rotated order; each "
+                       help="timed runs of every method per prompt, each round in its own shuffled order; each "
                        "method's median run on the prompt counts (default 1)")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write the full results as JSON")
     bench.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
