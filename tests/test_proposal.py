@@ -499,7 +499,7 @@ def test_a_batched_call_that_drafting_cannot_pay_for_is_plain_generate(fitted, m
             out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20,
                                        **sampling)
             assert out.sequences.tolist() == expected.tolist(), sampling
-            assert all(s.proposal_lengths == [20] and s.committed_tokens == 20 for s in out.stats)
+            assert all(s.proposal_lengths == [20] and s.committed_tokens == 20 and s.tau == 1.0 for s in out.stats)
         assert not drafts
         drafter.cost_model.block_tau = {8: 12.0}  # now a draft is expected to pay for its cycle
         out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20)

@@ -23,7 +23,6 @@ from ..network.configuration_dcoco import DCOCOConfig, DecodingChoices
 from ..network.modeling_dcoco import Correction, DCOCODraftModel
 from .context_cache import DraftContextCache, StaticDraftContextCache
 from .device import device_sync
-from .proposal import CostModel
 from .tap import TargetTap
 
 
@@ -219,7 +218,7 @@ class AttachedDrafter(Protocol):
     def proposal_schedule_name(self) -> str: ...
 
     @property
-    def cost_model(self) -> CostModel: ...
+    def cost_model(self) -> Any: ...  # proposal.CostModel (the schedules read drafts: drafting stays below them)
 
     def propose(
         self, anchor_ids: torch.LongTensor, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor,

@@ -335,6 +335,7 @@ def _plain_call(
     for count in committed:
         row = DCOCOStats()
         row.observe_plain_steps(count, committed=count)
+        row.target_forwards = count  # one forward per token: tau 1
         stats.append(row)
     return sequences, stats
 

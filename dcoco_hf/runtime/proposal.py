@@ -76,6 +76,8 @@ MAX_PLAIN_RUN = 16
 PROBE_EVERY = 64
 # The drafts whose slot confidences forecast the next one's (`CostSchedule.block`).
 RECENT_DRAFTS = 8
+# The committed tokens whose share inside the draft vocabulary predicts the next ones' (`acceptance.draftable_share`).
+DRAFTABLE_WINDOW = 8
 # A loop time learned per kind of cycle starts as the plain steps', worth this many cycles: one cycle slowed by a
 # hiccup (a page fault, the first forward of a new width) would otherwise price drafting out for the call.
 _LOOP_PRIOR_CYCLES = 4
@@ -377,6 +379,9 @@ class CostSchedule:
     # ----------------------------------------------------------------------------------------- before the draft
 
     def block(self, rows: Sequence[int], may_skip: bool = True) -> int | None:
+        """The machine's block, or None for a plain step: within a planned run of plain steps, or when the recent
+        drafts say drafting is not expected to beat one (then a run of 1, 2, 4, ... starts); a draft probes after
+        `PROBE_EVERY` plain steps in a row whatever the forecast."""
         self._cycle = None  # a cycle that drafts nothing (the assisted loop's last token) teaches nothing
         block = self.model.machine_block(len(rows), self.cap)
         if not may_skip:
@@ -422,7 +427,7 @@ class CostSchedule:
         return tokens / spent * seconds[0]
 
     def _draftable(self, row: int) -> float:
-        return draftable_share(self.answers[row][-RECENT_DRAFTS:], self.draft_vocabulary)
+        return draftable_share(self.answers[row][-DRAFTABLE_WINDOW:], self.draft_vocabulary)
 
     # ------------------------------------------------------------------------------------------ after the draft
 
