@@ -36,7 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .context_cache import DraftContextCache
 from .device import device_sync
-from .costs import CycleCosts
+from .costs import CycleCosts, best_block
 from .hf_compat import cache_kwargs
 
 if TYPE_CHECKING:
@@ -211,5 +211,4 @@ def choose_block_size(
         raise ValueError(f"block sizes {missing} have no measured tau in the drafter's block_tau (it has {measured})")
     tau = {size: drafter.decoding.block_tau[str(size)] for size in sizes}
     seconds = {size: costs.cycle(size - 1, size) for size in sizes}
-    best = max(sizes, key=lambda size: tau[size] / seconds[size])
-    return BlockSizeChoice(best, tau, seconds)
+    return BlockSizeChoice(best_block(tau, seconds), tau, seconds)

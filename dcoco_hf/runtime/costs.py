@@ -186,4 +186,10 @@ def _relative_iqr(samples: Sequence[float]) -> float:
 
 
 
-__all__ = ["CycleCosts", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS", "cheapest_cover", "isotonic"]
+def best_block(tau: Mapping[int, float], seconds: Mapping[int, float]) -> int:
+    """DScout's block: of the blocks with a tau, the one of most tokens per second, tau(B) / T(B); the smaller on a
+    tie."""
+    return max(sorted(tau), key=lambda block: tau[block] / seconds[block])
+
+
+__all__ = ["CycleCosts", "best_block", "MAX_TIMED_BLOCK", "MAX_TIMED_ROWS", "cheapest_cover", "isotonic"]

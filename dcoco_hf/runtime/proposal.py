@@ -58,7 +58,7 @@ from .acceptance import (
     tree_expected,
     update_recent,
 )
-from .costs import CycleCosts
+from .costs import CycleCosts, best_block
 
 if TYPE_CHECKING:
     from .drafting import DraftProposal
@@ -310,11 +310,6 @@ class CostModel:
         return [fixed + costs.verify_seconds(n + 1) for n in range(1, nodes + 1)]
 
 
-def best_block(tau: dict[int, float], seconds: dict[int, float]) -> int:
-    """The block of most tokens per second, tau(B) / T(B); the smaller on a tie."""
-    return max(sorted(tau), key=lambda block: tau[block] / seconds[block])
-
-
 def fastest(tokens: Sequence[float], seconds: Sequence[float]) -> int:
     """The option of most expected `tokens` per `seconds`, the first on a tie. The one rule that prices every choice
     of a cycle: chain lengths and tree sizes alike, in expected committed tokens per second."""
@@ -553,6 +548,6 @@ def make_schedule(
 
 __all__ = [
     "COST_SCHEDULE", "ConstantSchedule", "CostModel", "CostSchedule", "Draft", "HeuristicSchedule", "MAX_PLAIN_RUN",
-    "PROBE_EVERY", "Proposal", "SCHEDULES", "Schedule", "Verified", "best_block", "check_schedule", "drafts_at",
+    "PROBE_EVERY", "Proposal", "SCHEDULES", "Schedule", "Verified", "check_schedule", "drafts_at",
     "fastest", "make_schedule", "next_plain_run",
 ]
