@@ -42,7 +42,7 @@ from .common import (
 from ..runtime.cpu_linear import few_rows_plan
 from .bench import run_order
 from ..runtime.drafter import DCOCODrafter
-from ..runtime.generation import speculative_generate
+from ..runtime.generation import new_token_counts, speculative_generate
 from ..runtime.logs import log
 from ..runtime.proposal import COST_SCHEDULE
 from ..runtime.stats import DCOCOStats
@@ -51,15 +51,6 @@ from ..runtime.tuning import VERIFY_REFERENCE_ROWS, time_batch
 BATCH_METHODS = ("vanilla", "dflash", "dcoco", "dflash-trees", "dcoco-trees")
 TREE_BUDGET = 16  # the -trees methods' budget
 DEFAULT_METHODS = ("vanilla", "dflash", "dcoco")
-
-
-def new_token_counts(sequences: torch.LongTensor, prompt_len: int, eos: set[int]) -> list[int]:
-    """Generated tokens per row, up to and including its first EOS (the padding after it is not output)."""
-    counts = []
-    for row in sequences[:, prompt_len:].tolist():
-        ends = [i for i, token in enumerate(row) if token in eos]
-        counts.append(ends[0] + 1 if ends else len(row))
-    return counts
 
 
 def _run_method(target, drafter, method, ids, mask, kwargs) -> tuple[torch.LongTensor, float, DCOCOStats | None]:
@@ -107,7 +98,8 @@ def run_batch_bench(
         kwargs["temperature"] = temperature
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
-    eos = set(eos_token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id))
+    eos_ids = eos_token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id)
+    eos = torch.tensor(eos_ids, dtype=torch.long) if eos_ids else None
     timed = {}
     if drafter.tuning is not None and drafter.proposal_schedule_name == COST_SCHEDULE:
         for batch_size in batch_sizes:  # timed now, so that no measured call pays for it

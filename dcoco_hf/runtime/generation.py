@@ -326,18 +326,21 @@ def _plain_call(
     schedule expects no draft to beat a plain step at this batch size, even at the drafter's recorded tau, the call
     costs what plain batched generate() costs. Each row's statistics count its committed tokens as plain steps."""
     sequences = plain_decoding(target, input_ids, logits_processor, stopping_criteria, config, model_kwargs)
-    _, eos = _stops(config, stopping_criteria)
-    new = sequences[:, input_ids.shape[1] :]  # [B, T]
-    ended = torch.isin(new, eos) if eos is not None else torch.zeros_like(new, dtype=torch.bool)
-    # a row commits up to its first EOS; after it, generate() pads
-    committed = torch.where(ended.any(1), ended.int().argmax(1) + 1, new.shape[1]).tolist()
     stats = []
-    for count in committed:
+    for count in new_token_counts(sequences, input_ids.shape[1], _stops(config, stopping_criteria)[1]):
         row = DCOCOStats()
         row.observe_plain_steps(count, committed=count)
         row.target_forwards = count  # one forward per token: tau 1
         stats.append(row)
     return sequences, stats
+
+
+def new_token_counts(sequences: torch.LongTensor, prompt_len: int, eos: torch.Tensor | None) -> list[int]:
+    """Tokens each row generated, up to and including its first EOS (eos [n_eos] or None): after it, generate()
+    pads, and the padding is no output."""
+    new = sequences[:, prompt_len:]  # [B, T]
+    ended = torch.isin(new, eos.to(new.device)) if eos is not None else torch.zeros_like(new, dtype=torch.bool)
+    return torch.where(ended.any(1), ended.int().argmax(1) + 1, new.shape[1]).tolist()
 
 
 @dataclass(frozen=True)
