@@ -53,8 +53,10 @@ TREE_BUDGET = 16  # the -trees methods' budget
 DEFAULT_METHODS = ("vanilla", "dflash", "dcoco")
 
 
-def _run_method(target, drafter, method, ids, mask, kwargs) -> tuple[torch.LongTensor, float, DCOCOStats | None]:
-    """(sequences, seconds, the rows' statistics summed; None for vanilla) of one batched call."""
+def _run_method(
+    target, drafter, method, ids, mask, kwargs
+) -> tuple[torch.LongTensor, float, list[DCOCOStats] | None]:
+    """(sequences, seconds, each row's statistics; None for vanilla) of one batched call."""
     sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -65,7 +67,7 @@ def _run_method(target, drafter, method, ids, mask, kwargs) -> tuple[torch.LongT
         if method.endswith("-trees"):
             options["tree_budget"] = TREE_BUDGET
         out = speculative_generate(target, ids, attention_mask=mask, drafter=drafter, **options, **kwargs)
-        sequences, stats = out.sequences, sum(out.stats, DCOCOStats())
+        sequences, stats = out.sequences, out.stats
     sync()
     return sequences, time.perf_counter() - start, stats
 
@@ -115,7 +117,8 @@ def run_batch_bench(
             ids, mask = batches[0]
             for method in methods:
                 _run_method(target, drafter, method, ids.to(device), mask.to(device), {**kwargs, "max_new_tokens": 4})
-        totals = {m: {"seconds": 0.0, "new_tokens": 0, "stats": DCOCOStats(), "equal": 0, "rates": []} for m in methods}
+        totals = {m: {"seconds": 0.0, "new_tokens": 0, "stats": DCOCOStats(), "equal": 0, "rates": [], "drafting": [],
+                      "correcting": []} for m in methods}
         for index, (ids, mask) in enumerate(batches * rounds):
             ids, mask = ids.to(device), mask.to(device)
             outputs = {}
@@ -129,8 +132,12 @@ def run_batch_bench(
                 total["new_tokens"] += sum(new)
                 total["rates"].append(sum(new) / seconds)
                 if stats is None:  # plain decoding: one token per row and forward
-                    stats = DCOCOStats(committed_tokens=sum(new), target_forwards=sum(new))
-                total["stats"] = total["stats"].merge(stats)
+                    stats = [DCOCOStats(committed_tokens=sum(new), target_forwards=sum(new))]
+                # Every active row books the batch's phase times; the row that lived longest saw every cycle.
+                longest = max(stats, key=lambda row: row.cycles)
+                total["drafting"].append((longest.drafter_seconds + longest.corrector_seconds) / seconds)
+                total["correcting"].append(longest.corrector_seconds / seconds)
+                total["stats"] = total["stats"].merge(sum(stats, DCOCOStats()))
             if "vanilla" in outputs:
                 for method, sequences in outputs.items():
                     totals[method]["equal"] += int(torch.equal(sequences.cpu(), outputs["vanilla"].cpu()))
@@ -173,6 +180,9 @@ def _summarise(totals: dict[str, dict[str, Any]], batches: int, greedy: bool) ->
             "proposal_lengths": {str(k): n for k, n in enumerate(stats.proposal_lengths) if n},
             "tree_cycles": stats.tree_cycles,
             "mean_tree_nodes": stats.tree_nodes / stats.tree_cycles if stats.tree_cycles else None,
+            # of a call's wall time: the drafter's phases (backbone and corrector), and the corrector's alone
+            "drafter_share": statistics.mean(total["drafting"]),
+            "corrector_share": statistics.mean(total["correcting"]),
         }
     return summary
 

@@ -15,10 +15,10 @@ So both factors are measured, each where it is a property of what it measures:
              each other, so the slots of a shorter block predict somewhat differently.
     T(B)     one verify forward of B tokens plus one drafted and corrected block, from the cycle costs timed on
              this machine (`measure_cycle_costs`: every part interleaved with the others, repeated, medians
-             made monotone in the size (`cheapest_cover`), so one slow spell does not decide),
+             priced as the cheapest forward covering them (`cheapest_cover`), so one slow spell does not decide),
 and `choose_block_size` returns the B of largest tau(B) / T(B). This fixed block is the constant schedule's; the
-default, cost-aware schedule (`proposal.py`) drafts the largest block and sizes each cycle's proposal from the same
-costs. The transformers loop around a cycle costs the same for every B and is left out, which slightly favours
+default, cost-aware schedule (`proposal.py`) drafts the same block (`CostModel.machine_block`, with the loop's own
+learned cost per cycle added) and sizes each cycle's proposal from the same costs. The transformers loop around a cycle costs the same for every B and is left out, which slightly favours
 shorter blocks.
 """
 

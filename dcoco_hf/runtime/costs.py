@@ -32,20 +32,26 @@ def isotonic(values: Sequence[float]) -> list[float]:
 
 
 def cheapest_cover(seconds: Sequence[float]) -> list[float]:
-    """Verify seconds per width (`seconds[n - 1]`: n columns) as the plan should price them: n columns cost the
-    cheapest forward of at least n, never less than a plain step (`seconds[0]`).
+    """Verify seconds per width (`seconds[n - 1]`: n columns) as the plan should price them: n >= 2 columns cost the
+    cheapest forward of at least n; a plain step (`seconds[0]`) costs what it was timed at.
 
     A wider forward can cost less than a narrower one: CPU GEMM kernels work in SIMD-wide tiles, and on an AVX-512
     machine 16 columns of SmolLM2-135M took 1.46x a plain step where 12 took 1.65x and 17 1.9x
     (`scripts/verify_cost.py`). Pricing 12 columns at 16's cost is then right for the plan: at that price it
     proposes the wider option (more tokens for the same forward), which does cost that. Pooling the dip into its
     neighbours instead (a least-squares monotone fit) priced every width from 10 to 16 at about 12's cost, and
-    the 16-column tree out."""
-    plain, covers, cheapest = seconds[0], [], math.inf
+    the 16-column tree out.
+
+    A verify forward may also cost less than a plain step: a plain step keeps plain decoding's own 1-row
+    `F.linear`, the few-rows layouts compute 2 and more rows (`cpu_linear`), and on a 2-core AMD EPYC 2 columns of
+    SmolLM2-135M took 0.65x a plain step, 3-4 columns 0.8x and 5 columns 0.95x. Flooring verify widths at a plain
+    step priced 2-5 columns alike, which hid the step from 4 to 5 columns (the block of 5 was chosen and ran 10%
+    slower than blocks of 4) and made plain steps look no dearer than a one-token draft."""
+    covers, cheapest = [], math.inf
     for wider in reversed(seconds[1:]):
         cheapest = min(cheapest, wider)
-        covers.append(max(plain, cheapest))
-    return [plain, *reversed(covers)]
+        covers.append(cheapest)
+    return [seconds[0], *reversed(covers)]
 
 
 @dataclass
@@ -53,9 +59,9 @@ class CycleCosts:
     """Seconds of the parts of one speculation cycle on one device, for one target and drafter, at one batch size.
 
     verify[n - 1]: a target forward of n columns for each of `batch` rows on a cached context (n = 1 is a plain
-    decoding step of the batch); draft[B]: drafting and correcting a block of B for each row; both non-decreasing
-    (`cheapest_cover` of the verify medians, a monotone fit of the draft medians; widths timed sparsely are
-    interpolated). spread: the timings' median relative interquartile range (how noisy the machine was while
+    decoding step of the batch); draft[B]: drafting and correcting a block of B for each row; verify widths of 2 and
+    more and the drafts non-decreasing (`cheapest_cover` of the verify medians, a monotone fit of the draft medians;
+    widths timed sparsely are interpolated). spread: the timings' median relative interquartile range (how noisy the machine was while
     timing).
     """
 
@@ -145,10 +151,11 @@ class CycleCosts:
         verify = [_positive_seconds(v) for v in verify]
         draft = {int(b): _positive_seconds(s) for b, s in draft.items()}
         spread = _spread(spread)
-        if (verify != isotonic(verify) or not all(2 <= b <= MAX_TIMED_BLOCK for b in draft)
+        if (verify[1:] != isotonic(verify[1:]) or not all(2 <= b <= MAX_TIMED_BLOCK for b in draft)
                 or len(verify) > MAX_TIMED_ROWS):
             raise ValueError(
-                f"cycle costs out of range (verify must be non-decreasing, blocks in [2, {MAX_TIMED_BLOCK}])"
+                f"cycle costs out of range (verify widths of 2 and more must be non-decreasing, blocks in [2, "
+                f"{MAX_TIMED_BLOCK}])"
             )
         return cls(verify, draft, spread, batch)
 

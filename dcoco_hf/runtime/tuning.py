@@ -70,7 +70,7 @@ VERIFY_REFERENCE_ROWS = 8
 NOISY_SPREAD = 0.5
 
 # Bumped whenever what a cache file holds, or how it is measured, changes: old files are then measured anew.
-_CACHE_VERSION = 4
+_CACHE_VERSION = 5
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """What the static target cache and compiled drafting cost and save on this machine, with random weights.
 
-    python scripts/capture_bench.py                      # CPU or the GPU at hand; prints one JSON object
-    python scripts/capture_bench.py --backends inductor aot_eager --batch 1 8
+    python docs/history/capture_bench.py                 # CPU or the GPU at hand; prints one JSON object
+    python docs/history/capture_bench.py --backends inductor aot_eager --batch 1 8
+
+It answered what the static target cache and captured drafting cost on a CPU (docs/gpu.md); its run is
+docs/history/capture_bench_cpu.json. The two cache kinds run interleaved per call on random weights, a comparison of
+machinery that `dcoco-hf bench` (methods on real prompts) does not make.
 
 1. The batched loop (`speculative_generate`, greedy) on a dynamic and on a static target cache: median seconds of a
    whole call, the two kinds interleaved, and whether their outputs are identical.
@@ -26,7 +30,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the package of this checkout
 from dcoco_hf import DCOCODrafter, speculative_generate  # noqa: E402
 
