@@ -192,6 +192,28 @@ def test_the_block_is_dscouts_per_machine():
     assert _model(None).machine_block(1, cap=5) == 6
 
 
+def test_a_call_drafts_the_block_its_own_drafts_forecast_fastest():
+    """Where 2 verify columns cost less than 4 (a CPU's few-rows layouts), a call starts with DScout's block and, after
+    RECENT_DRAFTS drafts, drafts the block its drafts forecast fastest: longer where slots are mostly right, shorter
+    where they mostly fail; the choice holds for the next RECENT_DRAFTS drafts."""
+    costs = CycleCosts(verify=[1.0, 0.6, 0.8, 0.8, 0.95], draft={2: 0.1, 4: 0.2})
+    tau = {2: 1.5, 4: 1.8}  # DScout: 1.5 / 0.7 beats 1.8 / 1.0
+
+    def after_drafts(confidence: list[float]) -> list[int]:
+        call = _schedule(_model(costs, block_tau=tau))
+        blocks = []
+        for _ in range(2 * proposal_module.RECENT_DRAFTS):
+            blocks.append(call.block([0], may_skip=False))
+            call.propose(_draft(confidence))
+        return blocks
+
+    first = proposal_module.RECENT_DRAFTS
+    sure, unsure = after_drafts([0.9] * 3), after_drafts([0.2] * 3)
+    assert sure[:first] == unsure[:first] == [2] * first  # the machine's block until the call has evidence
+    assert sure[first:] == [4] * first  # (1 + .9 + .81 + .73) / 1.0 beats (1 + .9) / 0.7
+    assert unsure[first:] == [2] * first  # (1 + .2) / 0.7 beats the best k of 4: (1 + .2) / 0.8
+
+
 def test_plain_steps_run_while_recent_drafts_do_not_pay():
     """Drafts that fail make the next cycles plain steps, in runs that double; drafts that pay keep drafting; before
     any draft the recorded tau decides."""
@@ -341,7 +363,7 @@ def test_plain_steps_and_full_blocks_in_one_call_stay_exact(fitted, monkeypatch)
 def _rotating_blocks(monkeypatch, sizes=(2, 8, 4, 3)):
     """Make the cost-aware schedule draft each of `sizes` in turn (the costs would pick one)."""
     turn = iter(range(10**6))
-    monkeypatch.setattr(CostModel, "machine_block", lambda self, *args: sizes[next(turn) % len(sizes)])
+    monkeypatch.setattr(CostSchedule, "_call_block", lambda self, rows: sizes[next(turn) % len(sizes)])
 
 
 def test_greedy_is_exact_whatever_block_each_cycle_drafts(fitted, monkeypatch):

@@ -18,8 +18,8 @@ So both factors are measured, each where it is a property of what it measures:
              priced as the cheapest forward covering them (`cheapest_cover`), so one slow spell does not decide),
 and `choose_block_size` returns the B of largest tau(B) / T(B). This fixed block is the constant schedule's; the
 default, cost-aware schedule (`proposal.py`) drafts the same block (`CostModel.machine_block`, with the loop's own
-learned cost per cycle added) and sizes each cycle's proposal from the same costs. The transformers loop around a cycle costs the same for every B and is left out, which slightly favours
-shorter blocks.
+learned cost per cycle added) and sizes each cycle's proposal from the same costs. The constant schedule leaves the
+loop around a cycle out (it costs the same for every B), which slightly favours shorter blocks.
 """
 
 from __future__ import annotations

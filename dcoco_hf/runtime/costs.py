@@ -61,8 +61,8 @@ class CycleCosts:
     verify[n - 1]: a target forward of n columns for each of `batch` rows on a cached context (n = 1 is a plain
     decoding step of the batch); draft[B]: drafting and correcting a block of B for each row; verify widths of 2 and
     more and the drafts non-decreasing (`cheapest_cover` of the verify medians, a monotone fit of the draft medians;
-    widths timed sparsely are interpolated). spread: the timings' median relative interquartile range (how noisy the machine was while
-    timing).
+    widths timed sparsely are interpolated). spread: the timings' median relative interquartile range (how noisy the
+    machine was while timing).
     """
 
     verify: list[float]

@@ -12,15 +12,17 @@ Three schedules implement it (`num_assistant_tokens_schedule` in the drafter's g
   budget, the whole tree); it learns nothing.
 * "heuristic" (`HeuristicSchedule`): transformers' rule: two more tokens after a block accepted in full, one fewer
   otherwise.
-* "cost" (`CostSchedule`, the default): DScout's block per machine and the proposal of most expected committed tokens
-  per second.
+* "cost" (`CostSchedule`, the default): the block and the proposal of most expected committed tokens per second.
 
-The cost-aware schedule drafts one block per machine and batch size, the B of most tokens per second
+The cost-aware schedule starts a call with DScout's block for the machine and batch size, the B of most tokens per
+second
 
     tau(B) / (draft(B) + verify(B columns) + loop)        (DScout: tau from the drafter's `block_tau`, costs timed)
 
-and leaves it in two ways only, each where the call's own evidence says it pays. After a draft it proposes the
-first k of its slots, the k of most expected tokens per second for this draft's slot confidences:
+and, once the call has drafted `RECENT_DRAFTS` times, drafts the block its own recent drafts forecast fastest,
+chosen again every `RECENT_DRAFTS` drafts (on a CPU where 2 verify columns cost much less than 4, chat is drafted in
+shorter blocks than code). After a draft it proposes the first k of its slots, the k of most expected tokens per
+second for this draft's slot confidences:
 
     E[committed | k] = 1 + sum_{i <= k} prod_{j <= i} p_j     (prefix-first: verification stops at the first error)
     T(k)             = draft(B) + verify(k + 1 columns) + loop
@@ -74,7 +76,8 @@ MAX_PLAIN_RUN = 16
 # have changed in ways the forecast, which reads only past drafts, cannot see. The target tap keeps the states of
 # that many forwards for the next draft's context (`TargetTap.max_pending`).
 PROBE_EVERY = 64
-# The drafts whose slot confidences forecast the next one's (`CostSchedule.block`).
+# The drafts whose slot confidences forecast the next one's (`CostSchedule.block`); the call's block is chosen again
+# every this many drafts, as often as that evidence turns over (`CostSchedule._call_block`).
 RECENT_DRAFTS = 8
 # The committed tokens whose share inside the draft vocabulary predicts the next ones' (`acceptance.draftable_share`).
 DRAFTABLE_WINDOW = 8
@@ -271,19 +274,23 @@ class CostModel:
 
         return min(ratio(True) / ratio(False), 1.0)
 
-    def machine_block(self, batch: int, cap: int) -> int:
-        """DScout's block at `batch` rows: of the timed blocks of at most cap + 1 with a recorded tau, the one of most
-        tau(B) per second of a cycle proposing all of it (`best_block`); without tau, the largest timed block; untuned,
-        cap + 1."""
+    def blocks(self, batch: int, cap: int) -> list[int]:
+        """The blocks a call at `batch` rows may draft: timed, of at most cap + 1, with a recorded tau (without tau
+        for any, the largest timed; untuned, cap + 1)."""
         costs = self.costs_at(batch)
         sizes = [b for b in sorted(costs.draft) if b - 1 <= cap] if costs is not None else []
         if not sizes:
-            return cap + 1
-        measured = [b for b in sizes if b in self.block_tau]
-        if not measured:
-            return sizes[-1]
-        loop = self.loop(batch, "chain")
-        return best_block({b: self.block_tau[b] for b in measured}, {b: costs.cycle(b - 1, b) + loop for b in measured})
+            return [cap + 1]
+        return [b for b in sizes if b in self.block_tau] or sizes[-1:]
+
+    def machine_block(self, batch: int, cap: int) -> int:
+        """DScout's block at `batch` rows: of `blocks`, the one of most tau(B) per second of a cycle proposing all of
+        it (`best_block`)."""
+        sizes = self.blocks(batch, cap)
+        if len(sizes) == 1:
+            return sizes[0]
+        costs, loop = self.costs_at(batch), self.loop(batch, "chain")
+        return best_block({b: self.block_tau[b] for b in sizes}, {b: costs.cycle(b - 1, b) + loop for b in sizes})
 
     def prior_gain(self, block: int, batch: int) -> float | None:
         """Expected tokens per second of drafting `block` at `batch` rows, over a plain step's, at the drafter's
@@ -365,6 +372,8 @@ class CostSchedule:
         self.answers, self.stats, self.draft_vocabulary = answers, stats, draft_vocabulary
         self.recent = [model.acceptance.prior[0]] * rows  # per row: its running slot-1 acceptance
         self.recent_drafts: deque[list[float]] = deque(maxlen=RECENT_DRAFTS)  # their slot confidences
+        self.drafts = 0  # drafts so far in the call (one per row and drafted cycle)
+        self.chosen: tuple[int, int] | None = None  # (the call's block, `drafts` when it was chosen)
         self.plain_run = 0  # the last run of plain steps planned
         self.plain_left = 0  # plain steps still to take after this one
         self.plain_since_draft = 0
@@ -374,11 +383,11 @@ class CostSchedule:
     # ----------------------------------------------------------------------------------------- before the draft
 
     def block(self, rows: Sequence[int], may_skip: bool = True) -> int | None:
-        """The machine's block, or None for a plain step: within a planned run of plain steps, or when the recent
-        drafts say drafting is not expected to beat one (then a run of 1, 2, 4, ... starts); a draft probes after
-        `PROBE_EVERY` plain steps in a row whatever the forecast."""
+        """The call's block (`_call_block`), or None for a plain step: within a planned run of plain steps, or when
+        the recent drafts say drafting is not expected to beat one (then a run of 1, 2, 4, ... starts); a draft probes
+        after `PROBE_EVERY` plain steps in a row whatever the forecast."""
         self._cycle = None  # a cycle that drafts nothing (the assisted loop's last token) teaches nothing
-        block = self.model.machine_block(len(rows), self.cap)
+        block = self._call_block(rows)
         if not may_skip:
             return block
         if self.plain_left:
@@ -390,6 +399,22 @@ class CostSchedule:
         if self.plain_run:
             self.plain_left = self.plain_run - 1
             return self._plain_step(rows)
+        return block
+
+    def _call_block(self, rows: Sequence[int]) -> int:
+        """DScout's machine block until the call has drafted `RECENT_DRAFTS` times; from then on, chosen again every
+        `RECENT_DRAFTS` drafts (as often as the forecast's evidence turns over), the block its recent drafts forecast
+        fastest (`_gain`): slots a block of 2 did not draft are predicted from the call's running acceptance, so text
+        whose first slot is mostly right (code) is drafted in longer blocks than text whose first slot mostly fails
+        (chat), where a longer block's cycle costs more than its extra slots bring."""
+        batch = len(rows)
+        if self.chosen is not None and self.drafts - self.chosen[1] < RECENT_DRAFTS:
+            return self.chosen[0]
+        if self.drafts < RECENT_DRAFTS or self.model.costs_at(batch) is None:
+            return self.model.machine_block(batch, self.cap)
+        sizes = self.model.blocks(batch, self.cap)
+        block = max(sizes, key=lambda size: self._gain(size, rows)) if len(sizes) > 1 else sizes[0]
+        self.chosen = (block, self.drafts)
         return block
 
     def _plain_step(self, rows: Sequence[int]) -> None:
@@ -451,6 +476,7 @@ class CostSchedule:
         expected = (trees[choice.tree - 1] if choice.tree else options[choice.k - 1]) / batch
         self._cycle = (draft.block, expected, "tree" if choice.tree else "chain")
         if not draft.blind:
+            self.drafts += len(rows)
             for i, row in enumerate(rows):
                 self.recent_drafts.append(confidence[i])
                 if not choice.tree:  # a tree cycle learns from its nodes' labels instead
