@@ -279,7 +279,7 @@ def schedule_table() -> str:
     through both calls, interleaved on the same held-out prompts: speedup over plain `generate()` (tokens per second)
     and tau, and the default's speed over the best fixed block's (of those the run timed)."""
     lines = ["| prompts | call | default | " + " | ".join(f"block {b}" for b in FIXED_BLOCKS) +
-             " | default / best block | identical |", "|" + " --- |" * (len(FIXED_BLOCKS) + 5)]
+             " | default / best of blocks 3-5 (2-5) | identical |", "|" + " --- |" * (len(FIXED_BLOCKS) + 5)]
     captions = []
     for file, name in SCHEDULE_RUNS.items():
         report = _load(file)
@@ -290,12 +290,15 @@ def schedule_table() -> str:
             fixed = [methods.get(f"{method}@{b}") for b in FIXED_BLOCKS]
             default = methods[method]
             timed = [entry for entry in fixed if entry is not None]
-            best = max(entry["tokens_per_s"] for entry in timed)
+            # the yardstick: the best of whole blocks of 3, 4 and 5; in brackets, with blocks of 2 as well
+            best = max(entry["tokens_per_s"] for b, entry in zip(FIXED_BLOCKS, fixed) if entry and b >= 3)
+            best_any = max(entry["tokens_per_s"] for entry in timed)
             identical = all(entry["equal_to_vanilla"] == 1.0 for entry in [default, *timed])
             cells = [f"{entry['speedup']:.2f}x (tau {entry['tau']:.2f})" if entry else "-"
                      for entry in [default, *fixed]]
+            ratio = f"{default['tokens_per_s'] / best:.4f} ({default['tokens_per_s'] / best_any:.4f})"
             lines.append(f"| {name} | {call} | " + " | ".join(cells) +
-                         f" | {default['tokens_per_s'] / best:.3f} | {'all' if identical else 'NOT all'} |")
+                         f" | {ratio} | {'all' if identical else 'NOT all'} |")
         config = report["config"]
         captions.append(f"`{' '.join(config['command_line'])}`: tuning line {tuning_line(config.get('tuning'))}.")
     return "\n".join([*lines, "", *captions]) if captions else ""
