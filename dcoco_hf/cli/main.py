@@ -312,6 +312,10 @@ def run_config(
         "few_rows_linear": few_rows_plan(loaded.target),
         # What every speedup depends on: the plain step and a verify of 8 rows as a multiple of it, timed here.
         "tuning": drafter.tuning.summary() if drafter is not None and drafter.tuning is not None else None,
+        # the whole of one row's timed costs (seconds): every verify width and draft the schedule priced
+        "cycle_costs": (
+            drafter.cycle_costs.to_dict() if drafter is not None and drafter.cycle_costs is not None else None
+        ),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

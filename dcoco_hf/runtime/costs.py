@@ -44,9 +44,9 @@ def cheapest_cover(seconds: Sequence[float]) -> list[float]:
 
     A verify forward may also cost less than a plain step: a plain step keeps plain decoding's own 1-row
     `F.linear`, the few-rows layouts compute 2 and more rows (`cpu_linear`), and on a 2-core AMD EPYC 2 columns of
-    SmolLM2-135M took 0.65x a plain step, 3-4 columns 0.8x and 5 columns 0.95x. Flooring verify widths at a plain
-    step priced 2-5 columns alike, which hid the step from 4 to 5 columns (the block of 5 was chosen and ran 10%
-    slower than blocks of 4) and made plain steps look no dearer than a one-token draft."""
+    SmolLM2-135M took 0.62x a plain step, 3-4 columns 0.79x and 5 columns 0.92x (docs/results/schedule_*.json).
+    Flooring verify widths at a plain step priced 2-5 columns alike, which hid the step from 4 to 5 columns (whole
+    blocks of 5 ran 6-14% slower than blocks of 4 there) and made plain steps look no dearer than a one-token draft."""
     covers, cheapest = [], math.inf
     for wider in reversed(seconds[1:]):
         cheapest = min(cheapest, wider)
