@@ -585,3 +585,25 @@ def test_shards_are_safetensors_and_older_pt_shards_still_read(tmp_path):
     for got, expected in zip(loaded, records[:1] + records):
         assert all(torch.equal(got[k], expected[k]) and got[k].dtype == expected[k].dtype for k in expected)
     assert read_shard(shard_path(tmp_path, 1))[2]["context_states"].shape == (6, 3)
+
+
+def test_a_reply_journal_keeps_what_a_killed_prompt_phase_wrote(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    calls = []
+
+    def sample(tag):
+        calls.append(tag)
+        return [f"reply {tag} {torch.rand(1).item():.6f}"]
+
+    from dcoco_hf.training import data
+
+    first = data.ReplyJournal(path).replies(0, seed=3, sample=lambda: sample("a"))
+    with path.open("a") as file:
+        file.write('{"batch": 1, "repl')  # a kill mid-line
+    again = data.ReplyJournal(path)
+    assert again.replies(0, seed=3, sample=lambda: sample("b")) == first  # kept, not sampled again
+    second = again.replies(1, seed=3, sample=lambda: sample("c"))
+    assert calls == ["a", "c"]
+    assert data.ReplyJournal(path).done == {0: first, 1: second}
+    # each batch samples under its own seed, so a resumed run writes what an uninterrupted one would
+    assert data.ReplyJournal(None).replies(1, seed=3, sample=lambda: sample("c")) == second

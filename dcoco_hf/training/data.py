@@ -34,7 +34,7 @@ import re
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -215,22 +215,60 @@ def _sampled_replies(
         yield from tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
 
 
-def self_instruct_prompts(target, tokenizer, count: int, seed: int = 0, batch_size: int = 32) -> list[str]:
-    """`count` user questions written by the target itself, each about a topic from CHAT_TOPICS (sampled, T=0.9)."""
+def self_instruct_prompts(
+    target, tokenizer, count: int, seed: int = 0, batch_size: int = 32, journal: str | Path | None = None
+) -> list[str]:
+    """`count` user questions written by the target itself, each about a topic from CHAT_TOPICS (sampled, T=0.9).
+    With `journal`, the replies are kept there batch by batch and a rerun reuses them (`ReplyJournal`)."""
     rng = random.Random(seed)
-    torch.manual_seed(seed)
     asks = [
         f"Write one question that a user might ask an AI assistant about {rng.choice(CHAT_TOPICS)}. "
         "Reply with the question only."
         for _ in range(count)
     ]
+    kept = ReplyJournal(journal)
     questions = []
-    replies = _sampled_replies(target, tokenizer, asks, 48, 0.9, batch_size)
-    for reply in tqdm(replies, total=len(asks), desc="questions", unit="ask"):
-        question = reply.strip().split("\n")[0].strip().strip('"')
-        if len(question) > 15:
-            questions.append(question)
+    progress = tqdm(total=len(asks), desc="questions", unit="ask")
+    for index, batch in enumerate(_batches(asks, batch_size)):
+        for reply in kept.replies(index, seed, lambda: _sampled_replies(target, tokenizer, batch, 48, 0.9, batch_size)):
+            question = reply.strip().split("\n")[0].strip().strip('"')
+            if len(question) > 15:
+                questions.append(question)
+        progress.update(len(batch))
+    progress.close()
     return questions
+
+
+class ReplyJournal:
+    """The target's sampled replies, one JSON line per batch of asks, so that a killed prompt phase keeps what it
+    wrote. Each batch samples under its own seed (`seed`, batch index), so a resumed run writes what an uninterrupted
+    one would have; without a path nothing is kept."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = None if path is None else Path(path)
+        self.done: dict[int, list[str]] = {}
+        if self.path is not None and self.path.exists():
+            lines = self.path.read_text().splitlines()
+            for line in lines:
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # the last line of a killed run, cut short
+                    continue
+                self.done[entry["batch"]] = entry["replies"]
+            # rewritten without the cut line, so that the next line appended does not join it
+            self.path.write_text("".join(json.dumps({"batch": k, "replies": v}) + "\n" for k, v in self.done.items()))
+
+    def replies(self, index: int, seed: int, sample: Callable[[], Iterable[str]]) -> list[str]:
+        if index in self.done:
+            return self.done[index]
+        torch.manual_seed(seed * 1_000_003 + index)
+        replies = list(sample())
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as file:
+                file.write(json.dumps({"batch": index, "replies": replies}) + "\n")
+        self.done[index] = replies
+        return replies
 
 
 def exercise_prompt(reply: str) -> tuple[str, str] | None:
@@ -254,6 +292,7 @@ def self_instruct_exercises(
     max_asks: int | None = None,
     *,
     exclude: Iterable[str],
+    journal: str | Path | None = None,
 ) -> list[str]:
     """Up to `count` "complete the function" prompts for programming exercises the target writes itself.
 
@@ -264,20 +303,20 @@ def self_instruct_exercises(
     caller so that training never downloads), so a HumanEval function's name (its `is_prime`, say) is never asked
     for even in spirit, plus an earlier folder's prompts (a second folder then adds new functions, not new
     docstrings for old ones). Asks go on in batches until `count` prompts are found or `max_asks` (default
-    3 x count) asks are spent.
+    3 x count) asks are spent. With `journal`, the replies are kept there batch by batch (`ReplyJournal`).
     """
     held_out = {m for p in exclude for m in re.findall(r"def (\w+)\(", p)}
     rng = random.Random(seed)
-    torch.manual_seed(seed)
+    kept = ReplyJournal(journal)
     prompts: dict[str, str] = {}  # function name -> prompt
     progress = tqdm(total=count, desc="exercises", unit="prompt")
-    for _ in range(0, max_asks or 3 * count, batch_size):
+    for index in range(len(range(0, max_asks or 3 * count, batch_size))):
         asks = [
             f"Write a short Python programming exercise about {rng.choice(EXERCISE_TOPICS)}: only the function "
             "signature and a docstring that explains the task with an example. Do not write the solution."
             for _ in range(batch_size)
         ]
-        for reply in _sampled_replies(target, tokenizer, asks, 128, 0.8, batch_size):
+        for reply in kept.replies(index, seed, lambda: _sampled_replies(target, tokenizer, asks, 128, 0.8, batch_size)):
             found = exercise_prompt(reply)
             if found is not None and found[0] not in held_out and found[0] not in prompts:
                 prompts[found[0]] = found[1]

@@ -6,6 +6,7 @@ last Trainer checkpoint). The stages are `stages.train_stage`, the function `scr
 
     <out>/data/prompts.json, held_out.json   the training prompts and the held-out ones tau is measured on
     <out>/data/README.md                     their dataset card: sources, duplicates and evaluation overlaps dropped
+    <out>/data/questions.jsonl, exercises.jsonl  the target's self-instruct replies, kept batch by batch
     <out>/data/shard-*.safetensors           the target's greedy answers (token ids + response mask)
     <out>/stage1, <out>/stage2               Trainer checkpoints, each stage's drafter in final/
     <out>/drafter                            the result: weights, code, config (auto_map), generation_config, README
@@ -205,11 +206,12 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
         "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count, seed=run.seed),
     }
     if chat:
-        sources["questions the target wrote"] = self_instruct_prompts(target, tokenizer, chat, seed=run.seed)
+        sources["questions the target wrote"] = self_instruct_prompts(
+            target, tokenizer, chat, seed=run.seed, journal=run.data / "questions.jsonl")
     if exercises:
         sources["exercises the target wrote"] = self_instruct_exercises(
-            target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation
-        )
+            target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation,
+            journal=run.data / "exercises.jsonl")
     prompts, report = prepare_prompts(sources, run.evaluation)
     rng.shuffle(prompts)
     run.data.mkdir(parents=True, exist_ok=True)
