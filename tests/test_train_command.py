@@ -77,7 +77,7 @@ def test_training_can_be_watched_checkpoint_by_checkpoint(folders, tmp_path):
     assert all(line["tau"] >= 1 and len(line["chain_accept"]) == 3 for line in lines)
     assert (out / "progress.png").stat().st_size > 1000
     seconds = state(out)["seconds"]
-    assert list(seconds) == ["prompts", "answers", "stage1", "stage2", "final"] and all(v > 0 for v in seconds.values())
+    assert list(seconds) == ["prompts", "answers", "features", "stage1", "stage2", "final"] and all(v > 0 for v in seconds.values())
     card = (out / "drafter" / "README.md").read_text()
     assert "| stage1 |" in card and "| stage | step | tau | slot 1 | slot 2 | slot 3 |" in card
     assert f"| 2 | 2 | {lines[-1]['tau']:.2f} |" in card
@@ -91,7 +91,7 @@ def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp
     out = tmp_path / "run"
     result = run_cli(*train_argv(folders, out))
     assert result.code == 0, result.err[-2000:]
-    assert state(out)["finished"] == ["prompts", "answers", "stage1", "stage2", "final"]
+    assert state(out)["finished"] == ["prompts", "answers", "features", "stage1", "stage2", "final"]
     held_out = json.loads((out / "data" / "held_out.json").read_text())
     trained = json.loads((out / "data" / "prompts.json").read_text())
     assert len(held_out) == 2 and not set(held_out) & set(trained)  # tau is measured on prompts never trained on
@@ -131,17 +131,20 @@ def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path)
         process.kill()
         process.wait()
     killed = state(out)
-    assert killed["finished"] == ["prompts", "answers"]
-    shards = {path: path.stat().st_mtime_ns for path in (out / "data").glob("shard-*.pt")}
+    assert killed["finished"] == ["prompts", "answers", "features"]
+    shards = {path: path.stat().st_mtime_ns for path in (out / "data").glob("shard-*")}
+    shards.update({path: path.stat().st_mtime_ns for path in (out / "features").rglob("shard-*")})
+    assert len(shards) >= 2
     prompts = (out / "data" / "prompts.json").stat().st_mtime_ns
 
     result = run_cli(*argv)
     assert result.code == 0, result.err[-2000:]
     resumed = state(out)
-    assert resumed["finished"] == ["prompts", "answers", "stage1", "stage2", "final"]
+    assert resumed["finished"] == ["prompts", "answers", "features", "stage1", "stage2", "final"]
     assert resumed["ran"][-1] == ["stage1", "stage2", "final"]
     assert f"stage 1: resuming from {out / 'stage1' / 'checkpoint-'}" in result.err  # not from step 0
-    assert {path: path.stat().st_mtime_ns for path in shards} == shards  # the answers were not written again
+    # neither the answers nor their target features were written again
+    assert {path: path.stat().st_mtime_ns for path in shards} == shards
     assert (out / "data" / "prompts.json").stat().st_mtime_ns == prompts
     assert (out / "drafter" / "model.safetensors").exists()
 
@@ -245,8 +248,8 @@ def test_hours_split_the_budget_across_the_long_phases(tmp_path):
 
     assert sum(TIME_SHARES.values()) == pytest.approx(1.0)
     run = TrainRun(out=tmp_path, target="t", hours=2.0)
-    assert run.deadline("answers") - time.time() == pytest.approx(3600, abs=5)
-    assert run.deadline("stage2") - time.time() == pytest.approx(0.2 * 7200, abs=5)
+    assert run.deadline("answers") - time.time() == pytest.approx(0.45 * 7200, abs=5)
+    assert run.deadline("stage2") - time.time() == pytest.approx(0.15 * 7200, abs=5)
     assert TrainRun(out=tmp_path, target="t").deadline("stage1") is None
 
 
@@ -254,7 +257,7 @@ def test_help_renders(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert exit_info.value.code == 0 and "(answers 50%, stage1 30%, stage2 20%)" in text
+    assert exit_info.value.code == 0 and "(answers 45%, features 10%, stage1 30%, stage2 15%)" in text
 
 
 def test_the_command_line_starts_without_the_training_machinery():

@@ -499,19 +499,23 @@ def cache_target_features(
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     batch_tokens: int = 4096,
+    deadline: float | None = None,
 ) -> Path:
     """Precompute the target context of every record (hidden states at `layer_ids`, argmax labels), shard by shard.
 
     Worth it when training for more than one epoch: one target forward per sequence instead of one per epoch.
     States are stored in bf16 (the drafter's `fc` is robust to it; fp16 overflows there). Records of similar length
     share a right-padded forward of at most `batch_tokens` positions (twice the throughput of one record at a time on
-    a 2-core CPU); causal attention keeps padding out of every real position. Resumable.
+    a 2-core CPU); causal attention keeps padding out of every real position. Resumable; with `deadline` (a
+    `time.time()`) no new shard starts after it.
     """
     from .objective import target_context
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in tqdm(shard_paths(data_dir), desc="target features", unit="shard"):
+        if deadline is not None and time.time() >= deadline:
+            break
         destination = out_dir / (path.stem + SHARD_SUFFIX)
         legacy = destination.with_suffix(".pt")
         if destination.exists() or legacy.exists():

@@ -3,8 +3,9 @@ describe a run before it loads the training machinery (`pipeline.py`, which impo
 
 from __future__ import annotations
 
-PHASES = ("prompts", "answers", "stage1", "stage2", "final")
-# --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts.
-TIME_SHARES = {"answers": 0.5, "stage1": 0.3, "stage2": 0.2}
+PHASES = ("prompts", "answers", "features", "stage1", "stage2", "final")
+# --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts (features a shard at
+# a time: what is left is cached when stage 1 starts).
+TIME_SHARES = {"answers": 0.45, "features": 0.1, "stage1": 0.3, "stage2": 0.15}
 
 __all__ = ["PHASES", "TIME_SHARES"]

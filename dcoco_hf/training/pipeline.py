@@ -8,6 +8,8 @@ last Trainer checkpoint). The stages are `stages.train_stage`, the function `scr
     <out>/data/README.md                     their dataset card: sources, duplicates and evaluation overlaps dropped
     <out>/data/questions.jsonl, exercises.jsonl  the target's self-instruct replies, kept batch by batch
     <out>/data/shard-*.safetensors           the target's greedy answers (token ids + response mask)
+    <out>/features/data/shard-*.safetensors  the target's hidden states at the layers the drafter reads (bf16) and
+                                             its greedy labels: the stages train the drafter alone, no target forward
     <out>/stage1, <out>/stage2               Trainer checkpoints, each stage's drafter in final/
     <out>/drafter                            the result: weights, code, config (auto_map), generation_config, README
 """
@@ -18,6 +20,7 @@ import copy
 import json
 import random
 import shlex
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,9 +33,11 @@ from transformers import PreTrainedModel, TrainerCallback
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..runtime.block_choice import block_size_for_call
-from ..runtime.drafter import DCOCODrafter
+from ..runtime.drafter import DCOCODrafter, spread_layer_ids
+from ..runtime.logs import log
 from ..runtime.prompts import padding_id
 from .data import (
+    cache_target_features,
     load_shards,
     prompt_input_ids,
     regenerate,
@@ -90,6 +95,10 @@ class TrainRun:
     @property
     def data(self) -> Path:
         return self.out / "data"
+
+    @property
+    def features(self) -> Path:
+        return self.out / "features"
 
     def deadline(self, phase: str) -> float | None:
         """The time.time() by which `phase` stops (None without --hours): its share of the budget from now."""
@@ -152,6 +161,7 @@ def train(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizer
     steps: dict[str, Callable[[], None]] = {
         "prompts": lambda: write_prompts(run, target, tokenizer),
         "answers": lambda: write_answers(run, target, tokenizer),
+        "features": lambda: cache_features(run, target),
         "stage1": lambda: run_stage(run, target, tokenizer, 1),
         "stage2": lambda: run_stage(run, target, tokenizer, 2),
         "final": lambda: write_drafter(run, target, tokenizer),
@@ -238,6 +248,27 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
                deadline=run.deadline("answers"))
 
 
+def cache_features(run: TrainRun, target: PreTrainedModel) -> None:
+    """One target forward per answer, cached: the hidden states of the layers the drafter will read (the layers
+    `DCOCODrafter.from_target` picks for --target-layers-read) and the greedy labels. Each stage reads the records
+    more than once, and a drafter step costs a fraction of the target forward it would otherwise repeat. Refuses,
+    before any forward, a disk without room for them."""
+    layer_ids = spread_layer_ids(target.config.num_hidden_layers, run.target_layers_read)
+    records = load_shards(run.data)
+    tokens = sum(len(record["input_ids"]) for record in records)
+    needed = tokens * len(layer_ids) * target.config.hidden_size * 2  # bf16
+    run.features.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(run.features).free
+    cached = sum(path.stat().st_size for path in run.features.rglob("*") if path.is_file())
+    if needed - cached > free:
+        raise ValueError(f"the target features of {len(records)} answers need about {needed / 2**30:.1f} GiB in "
+                         f"{run.features} and {free / 2**30:.1f} GiB are free; free disk space or pass an --out on a "
+                         "larger disk")
+    log(f"target features: {len(records)} answers, {tokens} tokens, layers {layer_ids}: about "
+        f"{needed / 2**30:.1f} GiB in {run.features}")
+    cache_target_features(target, layer_ids, run.data, run.features / run.data.name, deadline=run.deadline("features"))
+
+
 def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stage: int) -> None:
     """Stage 1 (a new drafter warm-started from the target's last layers) or stage 2 (from stage 1's), both
     `train_stage`, the code path of scripts/train_drafter.py."""
@@ -248,7 +279,8 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
              } if stage == 1 else {
         "init": str(run.out / "stage1" / "final")}
     options = StageOptions(
-        stage=stage, data=[run.data], output=run.out / f"stage{stage}", max_steps=run.steps, lr=run.lr,
+        stage=stage, data=[run.data], features=run.features, output=run.out / f"stage{stage}", max_steps=run.steps,
+        lr=run.lr,
         batch_size=run.batch_size, num_anchors=run.num_anchors, max_length=run.max_length, bf16=run.bf16,
         save_steps=run.save_steps, seed=run.seed,
         max_minutes=None if deadline is None else max(deadline - time.time(), 1.0) / 60, **shape,  # > 0: a cap
