@@ -66,6 +66,33 @@ def test_a_draft_vocabulary_from_the_targets_answers_is_trained_and_saved(folder
     assert refused.code == 2 and "--draft-vocab 3: give at least --top-k (4) tokens" in refused.err
 
 
+def test_stage_2_trains_the_correctors_extensions_and_decoding_stays_exact(folders, tmp_path):
+    """--correct-first-slot, --context-bigrams, --corpus-bigrams: stage 2 gives the corrector slot 1, the pair's
+    occurrence in the context and its counts in the answers (stored with the weights); outputs do not change."""
+    out = tmp_path / "run"
+    result = run_cli(*train_argv(folders, out, steps=2), "--correct-first-slot", "--context-bigrams",
+                     "--corpus-bigrams")
+    assert result.code == 0, result.err[-2000:]
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["correct_first_slot"] and config["context_bigrams"] and config["corpus_bigrams"] > 0
+    stage1 = json.loads((out / "stage1" / "final" / "config.json").read_text())
+    assert not stage1["correct_first_slot"] and not stage1["context_bigrams"]  # stage 2's, as documented
+    target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
+    drafter = AutoModel.from_pretrained(out / "drafter", trust_remote_code=True).attach(target)
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
+    assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
+        target.generate(ids, max_new_tokens=12, do_sample=False).tolist()
+
+
+def test_the_shipped_drafters_recipe_parses_into_train_options():
+    from dcoco_hf.cli.main import build_parser
+
+    parser = build_parser()._subparsers._group_actions[0].choices["train"]
+    args = parse_with_recipe(parser, ["--recipe", str(REPO / "recipes" / "train" / "smollm2-135m.yaml")])
+    assert (args.answers, args.layers, args.draft_vocab, args.steps, args.stage2_steps) == (16000, 3, 8192, 3000, 1000)
+    assert args.correct_first_slot and args.context_bigrams and args.corpus_bigrams
+
+
 def test_training_can_be_watched_checkpoint_by_checkpoint(folders, tmp_path):
     """Each checkpoint measures held-out tau and slot acceptance (progress.jsonl, plotted as progress.png); the model
     card records them and the wall time of every phase."""
@@ -89,9 +116,12 @@ def state(out: Path) -> dict:
 
 def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp_path):
     out = tmp_path / "run"
-    result = run_cli(*train_argv(folders, out))
+    result = run_cli(*train_argv(folders, out), "--stage2-steps", "2")
     assert result.code == 0, result.err[-2000:]
     assert state(out)["finished"] == ["prompts", "answers", "features", "stage1", "stage2", "final"]
+    steps = [json.loads((out / f"stage{s}" / "final" / "training_summary.json").read_text())["args"]["max_steps"]
+             for s in (1, 2)]
+    assert steps == ["3", "2"]
     held_out = json.loads((out / "data" / "held_out.json").read_text())
     trained = json.loads((out / "data" / "prompts.json").read_text())
     assert len(held_out) == 2 and not set(held_out) & set(trained)  # tau is measured on prompts never trained on
@@ -110,7 +140,7 @@ def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp
     assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
         expected.tolist()
 
-    again = run_cli(*train_argv(folders, out))  # the same command: every phase is done, nothing runs
+    again = run_cli(*train_argv(folders, out), "--stage2-steps", "2")  # the same command: every phase is done, nothing runs
     assert again.code == 0 and state(out)["ran"][-1] == []
 
 

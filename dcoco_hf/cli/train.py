@@ -53,6 +53,7 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
                    help="YAML file of this command's long options (e.g. `steps: 300`); flags given here override it")
     p.add_argument("--answers", type=int, default=512, help="answers the target writes to train on (default 512)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of each stage (default 400)")
+    p.add_argument("--stage2-steps", type=int, default=None, help="optimizer steps of stage 2 (default: --steps)")
     p.add_argument("--hours", type=float, default=None,
                    help=f"wall-clock cap: each long phase stops at its share of H hours ({shares}), counted from "
                    "when it (re)starts, keeping what it made; --answers and --steps still cap it, so raise them to "
@@ -76,6 +77,13 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="propose from the N tokens the target writes most in its answers (0: every token; default: "
                    "every token up to a 65,536-token vocabulary, else 32,768)")
+    p.add_argument("--correct-first-slot", action="store_true",
+                   help="stage 2: the corrector also re-selects slot 1, scoring anchor -> slot 1 transitions")
+    p.add_argument("--context-bigrams", action="store_true",
+                   help="stage 2: the corrector reads whether a candidate pair already occurred in the context")
+    p.add_argument("--corpus-bigrams", action="store_true",
+                   help="stage 2: the corrector reads the pair's counts in the target's answers (stored with the "
+                   "weights)")
     p.add_argument("--tau-tokens", type=int, default=64, help="new tokens per held-out prompt for tau (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and training (default 0)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in training (GPUs)")
@@ -131,6 +139,8 @@ def check_train_arguments(args: argparse.Namespace) -> None:
     """Every check that needs no model: counts, budget, the prompts file, the output folder, the target's path."""
     if args.out is None:
         raise CLIError("--out is required: the folder of the run (give it here or as `out:` in the --recipe file)")
+    if args.stage2_steps is not None and args.stage2_steps < 1:
+        raise CLIError(f"--stage2-steps {args.stage2_steps}: give at least 1")
     for option in ("answers", "steps", "held_out", "max_new_tokens", "answer_batch_size", "layers", "top_k",
                    "target_layers_read", "batch_size", "num_anchors", "max_length", "save_steps", "tau_tokens"):
         minimum = 0 if option == "held_out" else 1

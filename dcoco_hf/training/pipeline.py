@@ -65,6 +65,7 @@ class TrainRun:
     command: Sequence[str] = ()
     answers: int = 512
     steps: int = 400
+    stage2_steps: int | None = None  # None: --steps
     hours: float | None = None
     prompts: Path | None = None
     held_out: int = 8
@@ -83,14 +84,18 @@ class TrainRun:
     bf16: bool = False
     tau_tokens: int = 64
     draft_vocab: int | None = None  # None: `auto_draft_vocab` of the target's vocabulary; 0: every token
+    # stage 2: the corrector's extensions (`stages.StageOptions`; the shipped SmolLM2 drafter has all three)
+    correct_first_slot: bool = False
+    context_bigrams: bool = False
+    corpus_bigrams: bool = False
     # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
     evaluation: Sequence[str] = field(default=(), repr=False)
 
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
-        "answers", "steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
+        "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
         "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length", "save_steps",
-        "seed", "bf16", "tau_tokens", "draft_vocab"})
+        "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams", "corpus_bigrams"})
 
     @property
     def data(self) -> Path:
@@ -277,9 +282,11 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
              "target_layers_read": run.target_layers_read, "init_from_target": True,
              "draft_vocab": auto_draft_vocab(target.config.vocab_size) if run.draft_vocab is None else run.draft_vocab,
              } if stage == 1 else {
-        "init": str(run.out / "stage1" / "final")}
+        "init": str(run.out / "stage1" / "final"), "correct_first_slot": run.correct_first_slot,
+        "context_bigrams": run.context_bigrams, "corpus_bigrams": run.corpus_bigrams}
     options = StageOptions(
-        stage=stage, data=[run.data], features=run.features, output=run.out / f"stage{stage}", max_steps=run.steps,
+        stage=stage, data=[run.data], features=run.features, output=run.out / f"stage{stage}",
+        max_steps=run.stage2_steps if stage == 2 and run.stage2_steps is not None else run.steps,
         lr=run.lr,
         batch_size=run.batch_size, num_anchors=run.num_anchors, max_length=run.max_length, bf16=run.bf16,
         save_steps=run.save_steps, seed=run.seed,
