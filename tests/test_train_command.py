@@ -258,17 +258,22 @@ def test_bad_input_fails_at_once_with_one_line(folders, tmp_path, case, message)
 
 
 def test_a_target_without_chat_template_answers_plain_text_prompts(tmp_path):
-    """A base model's tokenizer has no chat template: its prompts are code and task prompts (the self-written
-    questions and exercises need a chat turn), given to the target as plain text, with their dataset card."""
+    """A base model's tokenizer has no chat template: its prompts are code openings and prose openings (the
+    self-written questions and exercises need a chat turn), given to the target as plain text, with their dataset
+    card."""
     from dcoco_hf.training.data import prompt_input_ids
     from dcoco_hf.training.pipeline import TrainRun, source_prompts
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = None
-    run = TrainRun(out=tmp_path, target="base", answers=5, held_out=1)
+    run = TrainRun(out=tmp_path, target="base", answers=11, held_out=1)
     prompts = source_prompts(run, None, tokenizer)  # no target call: nothing is asked of it
-    assert len(prompts) == 6 and sum(p.startswith("Complete the following Python function") for p in prompts) == 3
-    assert "| code: documented library functions | 3 |" in (tmp_path / "data" / "README.md").read_text()
+    assert len(prompts) == 12 and sum(p.startswith("def ") for p in prompts) == 6
+    assert not any(p.startswith("Complete the following") for p in prompts)
+    card = (tmp_path / "data" / "README.md").read_text()
+    assert "| code openings: documented library functions | 6 |" in card
+    assert "| prose openings: module documentation | 1 |" in card
+    assert "| prose openings: essays, stories, letters, how-tos | 5 |" in card
     assert prompt_input_ids(tokenizer, "w1 w2").tolist() == [[tokenizer.convert_tokens_to_ids("w1"),
                                                               tokenizer.convert_tokens_to_ids("w2")]]
 

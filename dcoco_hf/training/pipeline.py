@@ -45,7 +45,15 @@ from .data import (
     self_instruct_prompts,
 )
 from .phases import PHASES, TIME_SHARES
-from .prompt_sources import dataset_card, library_code_prompts, prepare_prompts, task_prompts
+from .prompt_sources import (
+    dataset_card,
+    documentation_openings,
+    library_code_openings,
+    library_code_prompts,
+    prepare_prompts,
+    prose_openings,
+    task_prompts,
+)
 from .retarget import held_out_stats, measure_tau
 from .stages import StageOptions, train_stage
 
@@ -205,28 +213,41 @@ def read_prompts_file(path: Path) -> list[str]:
 
 def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """answers + held_out prompts, shuffled, deduplicated and held apart from `run.evaluation` (`prompt_sources`),
-    with their dataset card written beside them: half code tasks (documented functions of the standard library and
-    the installed libraries), and chat, writing, reasoning and other-language tasks; with a chat template a tenth
-    each of questions and programming exercises the target writes itself (exercises only when the evaluation
-    prompts they must not imitate are known). Without a chat template the prompts are plain text a base model
-    continues."""
+    with their dataset card written beside them. With a chat template: half code tasks (documented functions of the
+    standard library and the installed libraries), and chat, writing, reasoning and other-language tasks, with a
+    tenth each of questions and programming exercises the target writes itself (exercises only when the evaluation
+    prompts they must not imitate are known). Without one (a base model): half code openings (the same functions'
+    signatures and docstrings, to continue with a body), half prose openings (documentation, and essay, story,
+    letter and how-to openings, some in other languages)."""
     wanted = run.answers + run.held_out
-    chat = wanted // 10 if tokenizer.chat_template else 0
-    exercises = wanted // 10 if tokenizer.chat_template and run.evaluation else 0
-    code_count = (wanted - chat - exercises) // 2
     rng = random.Random(run.seed)
-    library = library_code_prompts()
-    sources = {
-        "code: documented library functions": rng.sample(library, min(code_count, len(library))),
-        "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count, seed=run.seed),
-    }
-    if chat:
-        sources["questions the target wrote"] = self_instruct_prompts(
-            target, tokenizer, chat, seed=run.seed, journal=run.data / "questions.jsonl")
-    if exercises:
-        sources["exercises the target wrote"] = self_instruct_exercises(
-            target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation,
-            journal=run.data / "exercises.jsonl")
+    if tokenizer.chat_template:
+        chat = wanted // 10
+        exercises = wanted // 10 if run.evaluation else 0
+        code_count = (wanted - chat - exercises) // 2
+        library = library_code_prompts()
+        sources = {
+            "code: documented library functions": rng.sample(library, min(code_count, len(library))),
+            "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count, seed=run.seed),
+        }
+        if chat:
+            sources["questions the target wrote"] = self_instruct_prompts(
+                target, tokenizer, chat, seed=run.seed, journal=run.data / "questions.jsonl")
+        if exercises:
+            sources["exercises the target wrote"] = self_instruct_exercises(
+                target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation,
+                journal=run.data / "exercises.jsonl")
+    else:
+        code = library_code_openings()
+        documentation = documentation_openings()
+        code_count = min(wanted // 2, len(code))
+        prose_count = wanted - code_count
+        sources = {
+            "code openings: documented library functions": rng.sample(code, code_count),
+            "prose openings: module documentation": rng.sample(documentation, min(prose_count // 4, len(documentation))),
+        }
+        sources["prose openings: essays, stories, letters, how-tos"] = prose_openings(
+            prose_count - len(sources["prose openings: module documentation"]), seed=run.seed)
     prompts, report = prepare_prompts(sources, run.evaluation)
     rng.shuffle(prompts)
     run.data.mkdir(parents=True, exist_ok=True)

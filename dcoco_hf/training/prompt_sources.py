@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 import random
 import re
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -63,6 +65,61 @@ TASK_TEMPLATES = (
     "Write a tweet announcing a new podcast episode about {topic}.",
     "Explain how {topic} and {other} are connected.",
 )
+PROSE_OPENINGS = (
+    "{Topic} is one of those subjects that everyone has an opinion about, but",
+    "When I first became interested in {topic}, I had no idea that",
+    "The history of {topic} is longer and stranger than most people realise.",
+    "In {year}, a young teacher decided to spend a whole year studying {topic}.",
+    "Dear Sam,\n\nThank you for your letter about {topic}. I have been thinking about it ever since, and",
+    "Chapter 1\n\nNobody in the village talked about {topic} any more, not since",
+    "There are three things every beginner should know about {topic}. The first is",
+    "Most guides to {topic} start with the basics. This one starts with a mistake:",
+    "It was late in the evening when Maria finally understood what {topic} had to do with {other}.",
+    "The committee met on Tuesday to discuss {topic}. After a long debate,",
+    "Why do so many people find {topic} difficult? Part of the answer lies in",
+    "{Topic} and {other} have more in common than it first appears. Both",
+    "A short introduction to {topic}\n\n{Topic} can be described as",
+    "My grandmother never read a book about {topic}, yet she knew more about it than",
+    "The following notes were written for an evening class on {topic}.",
+    "Imagine you have one afternoon to learn the essentials of {topic}. Where would you begin?",
+    "By the end of {year}, the debate about {topic} had moved from the newspapers to",
+    "Step 1: Before you begin with {topic}, make sure that",
+    "The old lighthouse keeper had two passions: {topic} and {other}.",
+    "Review: a new book on {topic}\n\nThis is not the first book to take on {topic}, but",
+    "Frequently asked questions about {topic}\n\nQ: Where should I start?\nA:",
+    "Every culture has its own way of thinking about {topic}. In some places,",
+    "The first thing you notice when you walk into a room full of people who love {topic} is",
+    "Local news: residents gathered on Saturday for a festival celebrating {topic}, where",
+    "There is a common belief that {topic} is only for experts. In reality,",
+)
+# Openings in other languages, over subjects of their own (a topic name in English would read oddly inside them).
+FOREIGN_OPENINGS = {
+    "French": (("Il était une fois un enfant qui rêvait de voir {subject}.",
+                "Depuis toujours, {subject} fascine les voyageurs, car",
+                "Chère Claire,\n\nJe t'écris depuis {subject}, où"),
+               ("la mer", "la montagne", "Paris", "la forêt", "la rivière", "la vieille gare", "le marché",
+                "l'école du village", "la bibliothèque", "le port")),
+    "Spanish": (("Había una vez, en {subject}, una familia que",
+                 "Desde hace siglos, {subject} atrae a visitantes de todo el mundo porque",
+                 "Querido Pablo:\n\nTe escribo desde {subject}, donde"),
+                ("el mar", "la sierra", "Madrid", "el bosque", "el río", "la plaza mayor", "el mercado",
+                 "la escuela", "la biblioteca", "el puerto")),
+    "German": (("Es war einmal ein Kind, das jeden Tag an {subject} dachte, bis",
+                "Seit vielen Jahren besuchen Menschen aus aller Welt {subject}, denn",
+                "Liebe Anna,\n\nheute habe ich endlich {subject} gesehen, und"),
+               ("das Meer", "die Berge", "Berlin", "den Wald", "den Fluss", "den Marktplatz", "den Bahnhof",
+                "die Schule", "die Bibliothek", "den Hafen")),
+    "Italian": (("Dopo tanti anni lontano, tornai a vedere {subject}, e",
+                 "Da secoli {subject} attira visitatori da tutto il mondo perché",
+                 "Cara Giulia,\n\nogni mattina guardo {subject} dalla finestra e"),
+                ("il mare", "le montagne", "Roma", "il bosco", "il fiume", "la piazza", "il mercato",
+                 "la scuola", "la biblioteca", "il porto")),
+    "Portuguese": (("Era uma vez um menino que adorava {subject}, e",
+                    "Há séculos {subject} atrai visitantes de todo o mundo porque",
+                    "Querida Ana,\n\nhoje visitei {subject} e"),
+                   ("o mar", "a serra", "Lisboa", "a floresta", "o rio", "a praça", "o mercado", "a escola",
+                    "a biblioteca", "o porto")),
+}
 LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Chinese", "Japanese", "Russian", "Hindi",
              "Arabic")
 _WORD_PROBLEMS = (
@@ -78,19 +135,82 @@ _WORD_PROBLEMS = (
 )
 
 
-@functools.cache
 def library_code_prompts(libraries: tuple[str, ...] = LIBRARIES) -> list[str]:
     """"Complete the following Python function" prompts for every documented function and public method of the
     whole standard library and of `libraries` (those installed; submodules that fail to import are skipped), in a
-    fixed order. Importing every submodule takes ~20 s, once per process."""
-    modules = list(_whole_stdlib())
+    fixed order: what an instruct target answers."""
+    return [HUMANEVAL_TEMPLATE.format(prompt=body) for body in library_functions(libraries)]
+
+
+def library_code_openings(libraries: tuple[str, ...] = LIBRARIES) -> list[str]:
+    """The same functions as code openings (signature and docstring, as HumanEval's own prompts): what a base model
+    continues with the function's body."""
+    return list(library_functions(libraries))
+
+
+@functools.cache
+def library_functions(libraries: tuple[str, ...] = LIBRARIES) -> tuple[str, ...]:
+    """Signature + docstring summary of every documented function and public method of the whole standard library
+    and of `libraries`, deduplicated, in a fixed order. Importing every submodule takes ~20 s, once per process."""
     with warnings.catch_warnings():  # deprecated submodules announce themselves on import
+        warnings.simplefilter("ignore")
+        bodies = [body for body, _ in _stdlib_functions(library_modules(libraries), methods=True)]
+    # A default printed with its memory address (`<function f at 0x7f...>`) differs in every process.
+    return tuple(b for b in dict.fromkeys(bodies) if " at 0x" not in b)
+
+
+@functools.cache
+def library_modules(libraries: tuple[str, ...] = LIBRARIES) -> tuple[str, ...]:
+    """The whole standard library and the public submodules of the installed `libraries`."""
+    modules = list(_whole_stdlib())
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for library in libraries:
             modules += _submodules(library)
-        bodies = [body for body, _ in _stdlib_functions(tuple(modules), methods=True)]
-    # A default printed with its memory address (`<function f at 0x7f...>`) differs in every process.
-    return [p for p in dict.fromkeys(HUMANEVAL_TEMPLATE.format(prompt=b) for b in bodies) if " at 0x" not in p]
+    return tuple(modules)
+
+
+def documentation_openings(libraries: tuple[str, ...] = LIBRARIES, sentences: int = 2) -> list[str]:
+    """Prose openings from documentation: the first `sentences` sentences of the first paragraph of every module and
+    public class docstring of the standard library and of `libraries`, where that paragraph is prose (a full
+    sentence of at least 8 words, no code or markup), in a fixed order."""
+    openings = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in library_modules(libraries):
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            classes = [c for n, c in inspect.getmembers(module, inspect.isclass)
+                       if not n.startswith("_") and c.__module__ == name]
+            for owner in (module, *classes):
+                doc = inspect.getdoc(owner)
+                paragraph = " ".join(doc.split("\n\n")[0].split()) if doc else ""
+                opening = " ".join(re.split(r"(?<=[.!?])\s+", paragraph)[:sentences])
+                if len(opening.split()) >= 8 and opening[-1] in ".!?" and not re.search(r"[{}<>|=`]|::|\w\(", opening):
+                    openings.append(opening)
+    return list(dict.fromkeys(openings))
+
+
+def prose_openings(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct openings of prose for a base model to continue (fewer when the templates run out): essay,
+    story, letter, news and how-to openings over `data.CHAT_TOPICS`, and openings in other languages over their own
+    subjects."""
+    rng = random.Random(seed)
+    openings: dict[str, None] = {}
+    for _ in range(20 * count):
+        if len(openings) >= count:
+            break
+        if rng.random() < 0.2:
+            language = rng.choice(list(FOREIGN_OPENINGS))
+            templates, subjects = FOREIGN_OPENINGS[language]
+            openings.setdefault(rng.choice(templates).format(subject=rng.choice(subjects)))
+        else:
+            topic, other = rng.sample(CHAT_TOPICS, 2)
+            opening = rng.choice(PROSE_OPENINGS).format(topic=topic, other=other, year=rng.randint(1850, 2024),
+                                                       Topic=topic[0].upper() + topic[1:])
+            openings.setdefault(opening)
+    return list(openings)
 
 
 def _submodules(library: str) -> list[str]:
@@ -206,5 +326,6 @@ problems from random numbers; questions and exercises, where present, were writt
 """
 
 
-__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "dataset_card", "library_code_prompts", "normalized",
-           "prepare_prompts", "task_prompts"]
+__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "dataset_card", "documentation_openings",
+           "library_code_openings", "library_code_prompts", "normalized", "prepare_prompts", "prose_openings",
+           "task_prompts"]
