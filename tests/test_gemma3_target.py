@@ -208,6 +208,25 @@ def test_cli_target_prints_the_folder(tmp_path: Path, monkeypatch: pytest.Monkey
     assert capsys.readouterr().out == f"{tmp_path / target.dirname}\n"
 
 
+def test_a_known_name_is_a_target_for_every_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--target gemma3-270m: the known target's cached folder (built on first use); a local folder of that name
+    wins, and anything else passes through as a folder or Hub id."""
+    from dcoco_hf.cli.common import resolve_target
+    from dcoco_hf.cli.train import target_name
+
+    monkeypatch.setenv(assets.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    target = assets.known_target("gemma3-270m")
+    folder = tmp_path / "cache" / target.dirname
+    folder.mkdir(parents=True)
+    for name in target.files:
+        (folder / name).write_text("x")
+    assert resolve_target("gemma3-270m") == str(folder) == target_name("gemma3-270m")
+    assert resolve_target("org/model") == "org/model"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    assert resolve_target("gemma3-270m") == "gemma3-270m"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real target
 # ---------------------------------------------------------------------------------------------------------------

