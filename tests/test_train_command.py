@@ -35,6 +35,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train")
     make_target("qwen3").save_pretrained(root / "target")
     tiny_tokenizer().save_pretrained(root / "target")
+    (root / "target" / "NOTICE.md").write_text("Provided under the Tiny Terms.\n")
     (root / "prompts.json").write_text(json.dumps([f"w{i} w{i + 3} w{i + 7}" for i in range(10)]))
     return {"target": root / "target", "prompts": root / "prompts.json", "root": root}
 
@@ -132,6 +133,8 @@ def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp
     assert "auto_map" in json.loads((folder / "config.json").read_text())
     card = (folder / "README.md").read_text()
     assert "dcoco-hf train --target" in card and "--steps 3" in card and "| 4 |" in card
+    # the target's terms travel with a drafter trained on its outputs
+    assert (folder / "NOTICE.md").read_text() == "Provided under the Tiny Terms.\n" and "(`NOTICE.md`)" in card
 
     target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
     drafter = AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target)

@@ -378,8 +378,39 @@ def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     drafter.save_pretrained(folder)
     records = len(load_shards(run.data))
     seconds = json.loads((run.out / STATE_FILE).read_text()).get("seconds", {})
-    card = model_card(run, drafter, taus, len(held_out), records) + training_section(seconds, read_progress(run.out))
+    licences = copy_licence_files(run.target, folder)
+    card = (model_card(run, drafter, taus, len(held_out), records) + licence_section(licences)
+            + training_section(seconds, read_progress(run.out)))
     (folder / "README.md").write_text(card)
+
+
+LICENCE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "*TERMS*", "USE_POLICY*")
+
+
+def copy_licence_files(target: str, folder: Path) -> list[str]:
+    """Copy the licence and notice files of a local target folder (a GGUF's folder) into the drafter's: a drafter
+    trained on a model's outputs travels under that model's terms. Returns the names copied."""
+    source = Path(target)
+    source = source.parent if source.is_file() else source
+    if not source.is_dir():
+        return []
+    names = sorted({path.name for pattern in LICENCE_FILES for path in source.glob(pattern) if path.is_file()})
+    for name in names:
+        shutil.copyfile(source / name, folder / name)
+    return names
+
+
+def licence_section(names: list[str]) -> str:
+    """The model card's note on the target's terms, naming the licence files copied beside the weights."""
+    if not names:
+        return ""
+    files = ", ".join(f"`{name}`" for name in names)
+    return f"""
+## Licence
+
+This drafter was trained on the target's own outputs, so the target's terms apply to it as well: its licence and
+notice files are copied here ({files}).
+"""
 
 
 def training_section(seconds: dict[str, float], progress: list[dict[str, Any]]) -> str:
