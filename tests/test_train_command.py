@@ -85,13 +85,15 @@ def test_stage_2_trains_the_correctors_extensions_and_decoding_stays_exact(folde
         target.generate(ids, max_new_tokens=12, do_sample=False).tolist()
 
 
-def test_the_shipped_drafters_recipe_parses_into_train_options():
+def test_the_shipped_drafters_recipes_parse_into_train_options():
     from dcoco_hf.cli.main import build_parser
 
     parser = build_parser()._subparsers._group_actions[0].choices["train"]
     args = parse_with_recipe(parser, ["--recipe", str(REPO / "recipes" / "train" / "smollm2-135m.yaml")])
     assert (args.answers, args.layers, args.draft_vocab, args.steps, args.stage2_steps) == (16000, 3, 8192, 3000, 1000)
     assert args.correct_first_slot and args.context_bigrams and args.corpus_bigrams
+    gemma = parse_with_recipe(parser, ["--recipe", str(REPO / "recipes" / "train" / "gemma3-270m.yaml")])
+    assert (gemma.target, gemma.layers, gemma.draft_vocab) == ("gemma3-270m", 2, 32768)
 
 
 def test_training_can_be_watched_checkpoint_by_checkpoint(folders, tmp_path):
