@@ -55,10 +55,11 @@ def test_batched(folders):
 
 def test_train_drafter(folders, tmp_path):
     result = load_example("train_drafter").main([
-        folders[0], folders[1], "--output", str(tmp_path / "run"), "--prompts", "16", "--held-out", "2",
-        "--stage1-steps", "40", "--stage2-steps", "10", "--max-new-tokens", "24",
+        folders[0], folders[1], "--output", str(tmp_path / "run"), "--answers", "16", "--held-out", "2",
+        "--steps", "40", "--max-new-tokens", "24",
     ])
     assert (result["folder"] / "model.safetensors").is_file() and (result["folder"] / "modeling_dcoco.py").is_file()
+    assert (result["folder"] / "README.md").is_file()  # the run's model card
     assert result["tau_after"] > result["tau_before"]  # training taught the drafter something the target accepts
 
 

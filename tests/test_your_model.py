@@ -1,6 +1,7 @@
-"""docs/your-model.md, end to end on an architecture other than Llama: a drafter trained from scratch for a tiny random
-GPT-NeoX target (parallel attention and MLP, partial rotary, no `num_key_value_heads`, layers under `gpt_neox`)
-with the package's training entry point, saved, reloaded as a Hub folder, attached and exact."""
+"""docs/your-model.md's training pieces on an architecture other than Llama: a drafter trained from scratch for a tiny
+random GPT-NeoX target (parallel attention and MLP, partial rotary, no `num_key_value_heads`, layers under
+`gpt_neox`) with the Trainer classes each stage of `dcoco-hf train` runs, saved, reloaded as a Hub folder, attached
+and exact."""
 
 from __future__ import annotations
 

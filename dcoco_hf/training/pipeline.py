@@ -68,7 +68,7 @@ LARGE_VOCAB, DRAFT_VOCAB = 65536, 32768
 class TrainRun:
     """What one `dcoco-hf train` run does; the field names are the command's long options."""
 
-    out: Path
+    out: Path | str
     target: str  # the resolved target name (folder, GGUF file or Hub id) recorded in the state file
     command: Sequence[str] = ()
     answers: int = 512
@@ -104,6 +104,9 @@ class TrainRun:
         "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
         "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length", "save_steps",
         "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams", "corpus_bigrams"})
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)  # a string is fine too
 
     @property
     def data(self) -> Path:
