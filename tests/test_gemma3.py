@@ -146,3 +146,33 @@ def test_a_warm_start_copies_what_computes_the_same():
     assert torch.equal(drafter.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight)
     torch.testing.assert_close(drafter.layers[0].input_layernorm(hidden), last.input_layernorm(hidden))
     torch.testing.assert_close(drafter.norm(hidden), llama.model.norm(hidden))
+
+
+def test_a_draft_vocabulary_over_gemmas_tied_head_exports_and_stays_exact(gemma, tmp_path):
+    """Over a vocabulary large next to the model the drafter proposes from a draft vocabulary: its LM head is those
+    rows of the target's tied head, with Gemma's own (unscaled) weights; the public format carries them with `d2t`,
+    and greedy decoding through the reloaded folder is plain generate()'s, prompts crossing the window included."""
+    from safetensors.torch import load_file
+
+    from dcoco_hf.serving.export import export_dflash
+
+    target, drafter = gemma
+    ids = torch.arange(0, VOCAB, 7)  # 293 of 2048 tokens
+    vocab = DCOCODrafter.from_pretrained(_saved(drafter, tmp_path / "full")).set_draft_vocabulary(ids)
+    vocab.attach(target, tune=False)
+    assert torch.equal(vocab.draft_lm_head()[0], target.lm_head.weight[ids])
+    folder = export_dflash(vocab, tmp_path / "dflash", draft_vocab=True)
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(torch.arange(len(ids)) + tensors["d2t"], ids)  # vLLM: target id = draft id + d2t[draft id]
+    assert torch.equal(tensors["lm_head.weight"], target.get_input_embeddings().weight[ids])  # tied, unscaled
+    reloaded = DCOCODrafter.from_pretrained(folder).attach(target, tune=False)
+    reloaded.generation_config.num_assistant_tokens_schedule = "constant"
+    for prompt in (_prompt(5, 11), _prompt(3 * WINDOW, 12)):
+        expected = target.generate(prompt, max_new_tokens=32, do_sample=False)
+        assert torch.equal(target.generate(prompt, max_new_tokens=32, do_sample=False, assistant_model=reloaded),
+                           expected)
+
+
+def _saved(drafter: DCOCODrafter, folder) -> str:
+    drafter.save_pretrained(folder)
+    return str(folder)
