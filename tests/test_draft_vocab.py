@@ -130,3 +130,32 @@ def test_training_ranks_only_the_draft_vocabulary(fitted):
     expected = dflash_loss(logits, columns, labelled.nonzero()[:, -1], cfg.block_size, default_gamma(cfg.block_size))
     torch.testing.assert_close(got.dflash, expected.detach(), rtol=1e-5, atol=1e-6)
     assert got.dcoco is not None and torch.isfinite(got.dcoco)
+
+
+def test_the_compare_script_measures_coverage_and_draft_cost_per_size(tmp_path):
+    """scripts/draft_vocab.py --compare: per size, the share of the answers' tokens it holds (the whole vocabulary
+    holds all) and the timed draft cost in plain steps, written as JSON with its command line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import make_target
+    from test_cli import tiny_tokenizer
+
+    from dcoco_hf.training.data import regenerate
+
+    target = make_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    tokenizer = tiny_tokenizer()
+    regenerate(target, tokenizer, [f"w{i} w{i + 1}" for i in range(8)], tmp_path / "data", max_new_tokens=8)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_vocab.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--compare", "16", "0", "--target", str(tmp_path / "target"), "--data",
+         str(tmp_path / "data"), "--json", str(tmp_path / "sizes.json")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "sizes.json").read_text())
+    small, whole = report["sizes"]
+    assert small["size"] == 16 and 0 < small["coverage"] <= 1 and whole == {**whole, "coverage": 1.0}
+    assert whole["size"] == target.config.vocab_size and all(v > 0 for v in small["draft"].values())
+    assert "--compare 16 0" in report["command"]
