@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from dcoco_hf.assets import SUITES, default_target_path, load_prompts_file, suite_prompts
+from dcoco_hf.assets import SUITES, load_prompts_file, suite_prompts
+from dcoco_hf.cli.common import resolve_target
 from dcoco_hf.cli.bench import BenchSettings, PromptItem, RunRecord, run_bench
 from dcoco_hf.runtime.proposal import SCHEDULES
 from dcoco_hf.runtime.tuning import cpu_name
@@ -64,7 +65,8 @@ def load_suite(spec: str, skip: int) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--target", default=None,
+                        help="target folder, Hub id or known name, e.g. gemma3-270m (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter folder or Hub id")
     parser.add_argument("--suites", default="mixed-heldout",
                         help="comma-separated suites: humaneval[:N], mtbench[:N], or a scripts/prompts/ file's name")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         return repeat_in_processes(args, argv)
     suites = dict(load_suite(spec, args.skip) for spec in args.suites.split(","))
 
-    target_path = args.target or default_target_path()
+    target_path = resolve_target(args.target)
     target = AutoModelForCausalLM.from_pretrained(target_path).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     options = {} if args.block_size is None else {"block_size": args.block_size}
