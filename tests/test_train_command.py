@@ -107,7 +107,8 @@ def test_training_can_be_watched_checkpoint_by_checkpoint(folders, tmp_path):
     assert all(line["tau"] >= 1 and len(line["chain_accept"]) == 3 for line in lines)
     assert (out / "progress.png").stat().st_size > 1000
     seconds = state(out)["seconds"]
-    assert list(seconds) == ["prompts", "answers", "features", "stage1", "stage2", "final"] and all(v > 0 for v in seconds.values())
+    assert list(seconds) == ["prompts", "answers", "features", "stage1", "stage2", "final"]
+    assert all(v > 0 for v in seconds.values())
     card = (out / "drafter" / "README.md").read_text()
     assert "| stage1 |" in card and "| stage | step | tau | slot 1 | slot 2 | slot 3 |" in card
     assert f"| 2 | 2 | {lines[-1]['tau']:.2f} |" in card
@@ -145,8 +146,8 @@ def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp
     assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
         expected.tolist()
 
-    again = run_cli(*train_argv(folders, out), "--stage2-steps", "2")  # the same command: every phase is done, nothing runs
-    assert again.code == 0 and state(out)["ran"][-1] == []
+    again = run_cli(*train_argv(folders, out), "--stage2-steps", "2")  # the same command: every phase is done
+    assert again.code == 0 and state(out)["ran"][-1] == []  # nothing runs
 
 
 def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path):

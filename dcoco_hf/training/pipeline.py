@@ -101,7 +101,8 @@ class TrainRun:
 
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
-        "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size", "layers",
+        "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size",
+        "layers",
         "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length", "save_steps",
         "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams", "corpus_bigrams"})
 
@@ -247,7 +248,8 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
         prose_count = wanted - code_count
         sources = {
             "code openings: documented library functions": rng.sample(code, code_count),
-            "prose openings: module documentation": rng.sample(documentation, min(prose_count // 4, len(documentation))),
+            "prose openings: module documentation":
+                rng.sample(documentation, min(prose_count // 4, len(documentation))),
         }
         sources["prose openings: essays, stories, letters, how-tos"] = prose_openings(
             prose_count - len(sources["prose openings: module documentation"]), seed=run.seed)
