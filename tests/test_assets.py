@@ -52,7 +52,7 @@ def test_load_prompts_file_bad_line_names_line_number(tmp_path: Path, bad_line: 
 
 
 def test_suite_prompts_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="unknown prompt suite 'nope'.*humaneval, mtbench"):
+    with pytest.raises(ValueError, match="unknown prompt suite 'nope'.*humaneval, humaneval-code, mtbench"):
         assets.suite_prompts("nope")
 
 

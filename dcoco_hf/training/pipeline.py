@@ -225,14 +225,18 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
     letter and how-to openings, some in other languages)."""
     wanted = run.answers + run.held_out
     rng = random.Random(run.seed)
+    # The cheap sources give a twentieth more than asked: deduplication and the evaluation checks drop some, and a
+    # run should still get its --answers.
+    spare = wanted // 20
     if tokenizer.chat_template:
         chat = wanted // 10
         exercises = wanted // 10 if run.evaluation else 0
         code_count = (wanted - chat - exercises) // 2
         library = library_code_prompts()
         sources = {
-            "code: documented library functions": rng.sample(library, min(code_count, len(library))),
-            "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count, seed=run.seed),
+            "code: documented library functions": rng.sample(library, min(code_count + spare, len(library))),
+            "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count + spare,
+                                                               seed=run.seed),
         }
         if chat:
             sources["questions the target wrote"] = self_instruct_prompts(
@@ -244,8 +248,8 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
     else:
         code = library_code_openings()
         documentation = documentation_openings()
-        code_count = min(wanted // 2, len(code))
-        prose_count = wanted - code_count
+        code_count = min(wanted // 2 + spare, len(code))
+        prose_count = wanted + 2 * spare - code_count
         sources = {
             "code openings: documented library functions": rng.sample(code, code_count),
             "prose openings: module documentation":

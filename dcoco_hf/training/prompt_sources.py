@@ -303,8 +303,8 @@ def dataset_card(report: PromptReport, target: str, command: str, answers: int |
     written = f"The target answered {answers} of them (greedy)." if answers is not None else ""
     return f"""# Training prompts and answers for a drafter of {target}
 
-Made by `{command}`. Each record is a prompt and the target's own greedy answer (token ids and a response mask),
-what a DFlash/DCOCO drafter learns to predict. {written}
+Made by `{command}`. Each record is a prompt and the target's own greedy answer or continuation (token ids and a
+mask over what the target wrote), what a DFlash/DCOCO drafter learns to predict. {written}
 
 ## Sources
 
@@ -312,9 +312,11 @@ what a DFlash/DCOCO drafter learns to predict. {written}
 | --- | --- |
 {rows}
 
-Code prompts ask to complete documented functions of the Python standard library and of installed open-source
-libraries (each under its own licence); task prompts are built from templates over topics and languages, and word
-problems from random numbers; questions and exercises, where present, were written by the target itself.
+Code prompts and code openings are the signatures and docstrings of documented functions of the Python standard
+library and of installed open-source libraries (each under its own licence); documentation openings are the first
+sentences of their module and class docstrings; task prompts and prose openings are built from templates over topics
+and languages, word problems from random numbers; questions and exercises, where present, were written by the
+target itself.
 
 ## Deduplication and held-out evaluation
 
