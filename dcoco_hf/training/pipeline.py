@@ -102,9 +102,9 @@ class TrainRun:
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size",
-        "layers",
-        "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length", "save_steps",
-        "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams", "corpus_bigrams"})
+        "layers", "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length",
+        "save_steps", "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams",
+        "corpus_bigrams"})
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)  # a string is fine too
@@ -217,51 +217,61 @@ def read_prompts_file(path: Path) -> list[str]:
 
 def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """answers + held_out prompts, shuffled, deduplicated and held apart from `run.evaluation` (`prompt_sources`),
-    with their dataset card written beside them. With a chat template: half code tasks (documented functions of the
-    standard library and the installed libraries), and chat, writing, reasoning and other-language tasks, with a
-    tenth each of questions and programming exercises the target writes itself (exercises only when the evaluation
-    prompts they must not imitate are known). Without one (a base model): half code openings (the same functions'
-    signatures and docstrings, to continue with a body), half prose openings (documentation, and essay, story,
-    letter and how-to openings, some in other languages)."""
+    with their dataset card written beside them: requests for a target with a chat template (`chat_sources`),
+    openings to continue for a base model (`base_sources`)."""
     wanted = run.answers + run.held_out
     rng = random.Random(run.seed)
     # The cheap sources give a twentieth more than asked: deduplication and the evaluation checks drop some, and a
     # run should still get its --answers.
     spare = wanted // 20
     if tokenizer.chat_template:
-        chat = wanted // 10
-        exercises = wanted // 10 if run.evaluation else 0
-        code_count = (wanted - chat - exercises) // 2
-        library = library_code_prompts()
-        sources = {
-            "code: documented library functions": rng.sample(library, min(code_count + spare, len(library))),
-            "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count + spare,
-                                                               seed=run.seed),
-        }
-        if chat:
-            sources["questions the target wrote"] = self_instruct_prompts(
-                target, tokenizer, chat, seed=run.seed, journal=run.data / "questions.jsonl")
-        if exercises:
-            sources["exercises the target wrote"] = self_instruct_exercises(
-                target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation,
-                journal=run.data / "exercises.jsonl")
+        sources = chat_sources(run, target, tokenizer, wanted, spare, rng)
     else:
-        code = library_code_openings()
-        documentation = documentation_openings()
-        code_count = min(wanted // 2 + spare, len(code))
-        prose_count = wanted + 2 * spare - code_count
-        sources = {
-            "code openings: documented library functions": rng.sample(code, code_count),
-            "prose openings: module documentation":
-                rng.sample(documentation, min(prose_count // 4, len(documentation))),
-        }
-        sources["prose openings: essays, stories, letters, how-tos"] = prose_openings(
-            prose_count - len(sources["prose openings: module documentation"]), seed=run.seed)
+        sources = base_sources(run, wanted, spare, rng)
     prompts, report = prepare_prompts(sources, run.evaluation)
     rng.shuffle(prompts)
     run.data.mkdir(parents=True, exist_ok=True)
     (run.data / "README.md").write_text(dataset_card(report, run.target, shlex.join(run.command) or "dcoco-hf train"))
     return prompts
+
+
+def chat_sources(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, wanted: int, spare: int,
+                 rng: random.Random) -> dict[str, list[str]]:
+    """Half code tasks (documented functions of the standard library and the installed libraries), and chat,
+    writing, reasoning and other-language tasks, with a tenth each of questions and programming exercises the target
+    writes itself (exercises only when the evaluation prompts they must not imitate are known)."""
+    chat = wanted // 10
+    exercises = wanted // 10 if run.evaluation else 0
+    code_count = (wanted - chat - exercises) // 2
+    library = library_code_prompts()
+    sources = {
+        "code: documented library functions": rng.sample(library, min(code_count + spare, len(library))),
+        "tasks: templates and word problems": task_prompts(wanted - chat - exercises - code_count + spare,
+                                                           seed=run.seed),
+    }
+    if chat:
+        sources["questions the target wrote"] = self_instruct_prompts(
+            target, tokenizer, chat, seed=run.seed, journal=run.data / "questions.jsonl")
+    if exercises:
+        sources["exercises the target wrote"] = self_instruct_exercises(
+            target, tokenizer, exercises, seed=run.seed, exclude=run.evaluation,
+            journal=run.data / "exercises.jsonl")
+    return sources
+
+
+def base_sources(run: TrainRun, wanted: int, spare: int, rng: random.Random) -> dict[str, list[str]]:
+    """Half code openings (the library functions' signatures and docstrings, to continue with a body), half prose
+    openings: a quarter of them documentation, the rest essay, story, letter and how-to openings, some in other
+    languages."""
+    code, documentation = library_code_openings(), documentation_openings()
+    code_count = min(wanted // 2 + spare, len(code))
+    prose_count = wanted + 2 * spare - code_count
+    docs = rng.sample(documentation, min(prose_count // 4, len(documentation)))
+    return {
+        "code openings: documented library functions": rng.sample(code, code_count),
+        "prose openings: module documentation": docs,
+        "prose openings: essays, stories, letters, how-tos": prose_openings(prose_count - len(docs), seed=run.seed),
+    }
 
 
 def split_held_out(prompts: list[str], answers: int, held_out: int) -> tuple[list[str], list[str]]:
