@@ -409,6 +409,23 @@ def test_self_instruct_exercises_skip_names_of_an_excluded_folder(monkeypatch):
     assert [p.split("\n")[2] for p in prompts] == ["def shout(text):"]
 
 
+def test_self_instruct_exercises_stop_when_the_target_runs_out_of_new_functions(monkeypatch):
+    """A target that keeps writing the functions it already wrote is asked no further once four batches in a row
+    each found a new one for fewer than a quarter of their asks."""
+    from dcoco_hf.training import data
+
+    fresh = iter(range(1000))
+
+    def sampled(target, tokenizer, asks, *args):
+        new = next(fresh)  # one new function per batch of 8 asks (12.5%), the rest repeats
+        return [f'def f{new}(x):\n    """A new exercise number {new}."""'] + \
+            ['def f0(x):\n    """An exercise the target wrote before."""'] * (len(asks) - 1)
+
+    monkeypatch.setattr(data, "_sampled_replies", sampled)
+    prompts = data.self_instruct_exercises(None, None, count=100, batch_size=8, exclude=[])
+    assert len(prompts) == 4  # batches 1-4 found one each: saturated, long before 3 x 100 asks
+
+
 def test_first_slot_training_teaches_the_corrector_to_re_select_slot_1(tmp_path):
     """Blocks of 2 have no slot pair, so with `correct_first_slot` the anchor -> slot 1 loss is the corrector's only
     signal: it starts at the drafter's pick (zero output layer) and learns to beat it on the records it sees."""

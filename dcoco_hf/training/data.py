@@ -283,6 +283,9 @@ def exercise_prompt(reply: str) -> tuple[str, str] | None:
     return None
 
 
+SATURATED_BATCHES, SATURATED_SHARE = 4, 0.25
+
+
 def self_instruct_exercises(
     target,
     tokenizer,
@@ -302,13 +305,17 @@ def self_instruct_exercises(
     keeps the evaluation held out: pass the HumanEval prompts (`dcoco_hf.assets.humaneval_prompts()`, fetched by the
     caller so that training never downloads), so a HumanEval function's name (its `is_prime`, say) is never asked
     for even in spirit, plus an earlier folder's prompts (a second folder then adds new functions, not new
-    docstrings for old ones). Asks go on in batches until `count` prompts are found or `max_asks` (default
-    3 x count) asks are spent. With `journal`, the replies are kept there batch by batch (`ReplyJournal`).
+    docstrings for old ones). Asks go on in batches until `count` prompts are found, `max_asks` (default
+    3 x count) asks are spent, or the target has run out of new functions: the last `SATURATED_BATCHES` batches each
+    found new ones for fewer than `SATURATED_SHARE` of their asks (a sampled target repeats its favourite names more
+    and more often; past that point a batch costs as much target time as its asks in answers, for a few prompts).
+    With `journal`, the replies are kept there batch by batch (`ReplyJournal`).
     """
     held_out = {m for p in exclude for m in re.findall(r"def (\w+)\(", p)}
     rng = random.Random(seed)
     kept = ReplyJournal(journal)
     prompts: dict[str, str] = {}  # function name -> prompt
+    found_per_batch: list[int] = []
     progress = tqdm(total=count, desc="exercises", unit="prompt")
     for index in range(len(range(0, max_asks or 3 * count, batch_size))):
         asks = [
@@ -316,12 +323,16 @@ def self_instruct_exercises(
             "signature and a docstring that explains the task with an example. Do not write the solution."
             for _ in range(batch_size)
         ]
+        before = len(prompts)
         for reply in kept.replies(index, seed, lambda: _sampled_replies(target, tokenizer, asks, 128, 0.8, batch_size)):
             found = exercise_prompt(reply)
             if found is not None and found[0] not in held_out and found[0] not in prompts:
                 prompts[found[0]] = found[1]
+        found_per_batch.append(len(prompts) - before)
         progress.update(min(len(prompts), count) - progress.n)
-        if len(prompts) >= count:
+        recent = found_per_batch[-SATURATED_BATCHES:]
+        if len(prompts) >= count or (
+                len(recent) == SATURATED_BATCHES and max(recent) < SATURATED_SHARE * batch_size):
             break
     progress.close()
     return list(prompts.values())[:count]
