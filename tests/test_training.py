@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -343,6 +344,26 @@ def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp
     assert len(first) == 4 and len(records) == 5
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, records))  # shards kept as they were
     assert all(int(record["loss_mask"].sum()) == 4 for record in records)  # 4 new tokens each, no EOS in the tiny model
+
+
+def test_regenerate_answers_shortest_first_and_refuses_a_folder_of_other_prompts(tmp_path):
+    """Prompts are answered in order of length, so a batch's rows pad to about the same length; `prompts.json`
+    records that order, and a folder whose shards answered other prompts is refused rather than mixed."""
+    from test_cli import tiny_tokenizer
+
+    from dcoco_hf.training.data import regenerate
+
+    target, tokenizer = make_target("llama"), tiny_tokenizer()
+    tokenizer.pad_token = "<unk>"
+    prompts = ["w1 w2 w3 w4 w5 w6", "w7", "w8 w9 w10", "w11 w12", "w13 w14 w15 w16"]
+    regenerate(target, tokenizer, prompts, tmp_path, max_new_tokens=2, batch_size=2, shard_size=2)
+    answered = json.loads((tmp_path / "prompts.json").read_text())
+    assert answered == sorted(prompts, key=lambda p: len(p.split()))
+    lengths = [len(r["input_ids"]) - int(r["loss_mask"].sum()) for r in load_shards(tmp_path)]
+    assert lengths == sorted(lengths)
+    with pytest.raises(ValueError, match="holds answers to other prompts, or to these in another order"):
+        regenerate(target, tokenizer, prompts + ["w20"], tmp_path, max_new_tokens=2, batch_size=2, shard_size=2)
+    regenerate(target, tokenizer, list(reversed(prompts)), tmp_path, max_new_tokens=2, batch_size=2, shard_size=2)
 
 
 def test_exercise_prompt_keeps_signature_and_docstring_and_drops_the_body():

@@ -352,15 +352,24 @@ def regenerate(
 ) -> Path:
     """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
 
-    Resumable: shards already on disk are skipped, and `max_shards` (or `deadline`, a `time.time()` after which no
-    new shard starts; each call writes at least one) stops early; a later call goes on with the same prompts.
-    Prompts are sorted by length inside a shard to waste less padding. The progress bar counts answers and the
-    tokens/s they are written at.
+    Prompts are answered shortest first (`prompts.json` in `out_dir` records that order), so the rows of a batch pad
+    to about the same length: unsorted, the longest prompt of a batch of 64 was 2.6 times the batch's mean on
+    SmolLM2's training prompts, and every row paid for it at every step. Resumable: shards already on disk are
+    skipped, and `max_shards` (or `deadline`, a `time.time()` after which no new shard starts; each call writes at
+    least one) stops early; a later call goes on with the same prompts, and refuses a folder whose shards answered
+    other prompts. The progress bar counts answers and the tokens/s they are written at.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "prompts.json").write_text(json.dumps(prompts))
-    shards = list(_batches(prompts, shard_size))[:max_shards]
+    encoded = [prompt_input_ids(tokenizer, p)[0] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # stable: ties keep their order
+    prompts, encoded = [prompts[i] for i in order], [encoded[i] for i in order]
+    answered = out_dir / "prompts.json"
+    if shard_paths(out_dir) and answered.exists() and json.loads(answered.read_text()) != prompts:
+        raise ValueError(f"{out_dir} holds answers to other prompts, or to these in another order; delete its "
+                         "shard-* files (or answer into another folder) to answer these")
+    answered.write_text(json.dumps(prompts))
+    shards = list(_batches(encoded, shard_size))[:max_shards]
     done = [shard_done(out_dir, index) for index in range(len(shards))]
     progress = tqdm(total=sum(map(len, shards)), initial=sum(len(s) for s, d in zip(shards, done) if d),
                     desc="answers", unit="answer")
@@ -368,9 +377,8 @@ def regenerate(
     for index, shard in enumerate(shards):
         if done[index]:
             continue
-        encoded = sorted((prompt_input_ids(tokenizer, p)[0] for p in shard), key=len)
         records = []
-        for batch in _batches(encoded, batch_size):
+        for batch in _batches(shard, batch_size):
             ids, mask = left_pad(batch, padding_id(tokenizer))
             out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
             for prompt, row in zip(batch, out[:, ids.shape[1] :]):
