@@ -1,11 +1,14 @@
-r"""How fast the target writes training answers: `dcoco-hf train`'s answer phase against `regenerate_data.py`'s
-settings, on the same prompts in one process, each setting timed in turn (order rotated per round).
+r"""How fast the target writes training answers: `dcoco-hf train`'s answer phase against `regenerate_data.py` as it
+was before answers were length-sorted, on the same prompts in one process, each setting timed in turn (order
+alternated per round).
 
-    python scripts/answer_throughput.py --prompts 128 --rounds 2 --json docs/results/answer_throughput.json
+    python scripts/answer_throughput.py --prompts 256 --rounds 2 --json docs/results/answer_throughput.json
 
-Both run `training.data.regenerate` (length-sorted batches of one shard, greedy, 192 new tokens); they differ in
-how many prompts one generate() call answers. Reports answers per hour, answer tokens per second, the ratio, and
-whether both wrote the same answers.
+The prompts are a fixed sample of `dcoco-hf train`'s own sources for SmolLM2 (half "complete the function" tasks
+from library functions, half chat, writing and reasoning tasks). `dcoco-hf train` answers them shortest first in
+batches of 64 (`training.data.regenerate`); the earlier script answered them in the order given, 64 per shard,
+sorted inside each shard, in batches of 32 (reproduced here by answering each shard of 64 on its own). Greedy, 192
+new tokens. Reports answers per hour, answer tokens per second, the ratio, and whether both wrote the same answers.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,23 +25,38 @@ from pathlib import Path
 import torch
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.training.data import load_shards, regenerate
+from dcoco_hf.training.data import load_shards, prompt_input_ids, regenerate
 from dcoco_hf.training.pipeline import TrainRun
-from dcoco_hf.training.prompt_sources import task_prompts
+from dcoco_hf.training.prompt_sources import library_code_prompts, task_prompts
 
 SETTINGS = {"regenerate_data.py": 32, "dcoco-hf train": TrainRun.answer_batch_size}  # prompts per generate() call
+SHARD = 64  # prompts per shard, in both
+
+
+def answer(name: str, target, tokenizer, prompts: list[str], folder: Path, max_new_tokens: int) -> list[dict]:
+    """The records one setting writes: one call over all prompts (sorted by length), or the earlier script's one
+    call per shard of 64 (each sorted on its own)."""
+    chunks = [prompts] if name == "dcoco-hf train" else [prompts[i : i + SHARD] for i in range(0, len(prompts), SHARD)]
+    records = []
+    for index, chunk in enumerate(chunks):
+        regenerate(target, tokenizer, chunk, folder / str(index), max_new_tokens, SETTINGS[name], shard_size=SHARD)
+        records += load_shards(folder / str(index))
+    return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
     target, tokenizer = load_default_target()
-    prompts = task_prompts(args.prompts, seed=7)  # chat, writing and reasoning requests of the kind training asks
+    rng = random.Random(7)
+    prompts = rng.sample(library_code_prompts(), args.prompts // 2) + task_prompts(args.prompts - args.prompts // 2,
+                                                                                  seed=7)
+    rng.shuffle(prompts)
     seconds = {name: [] for name in SETTINGS}
     records = {}
     for round_ in range(args.rounds):
@@ -44,13 +64,14 @@ def main() -> None:
         for name in names:
             with tempfile.TemporaryDirectory() as folder:
                 start = time.perf_counter()
-                regenerate(target, tokenizer, prompts, folder, args.max_new_tokens, SETTINGS[name],
-                           shard_size=max(SETTINGS.values()))
+                written = answer(name, target, tokenizer, prompts, Path(folder), args.max_new_tokens)
                 seconds[name].append(time.perf_counter() - start)
-                records[name] = load_shards(folder)
-    tokens = sum(int(r["loss_mask"].sum()) for r in records["dcoco-hf train"])
-    same = sum(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(*records.values()))
+                records[name] = {tuple(r["input_ids"].tolist()) for r in written}
+    tokens = sum(len(r) for r in records["dcoco-hf train"]) - sum(
+        len(prompt_input_ids(tokenizer, p)[0]) for p in prompts)
+    same = len(records["dcoco-hf train"] & records["regenerate_data.py"])
     report = {
+        "command": "python " + " ".join(sys.argv),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
                    f"{torch.__version__}",
         "prompts": len(prompts), "answer_tokens": tokens, "identical_answers": same,
