@@ -24,7 +24,6 @@ import inspect
 import pkgutil
 import random
 import re
-import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -178,8 +177,9 @@ def documentation_openings(libraries: tuple[str, ...] = LIBRARIES, sentences: in
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in library_modules(libraries):
-            module = sys.modules.get(name)
-            if module is None:
+            try:  # imported already by `library_modules`' walk or `library_functions`: a dictionary lookup then
+                module = importlib.import_module(name)
+            except ImportError:
                 continue
             classes = [c for n, c in inspect.getmembers(module, inspect.isclass)
                        if not n.startswith("_") and c.__module__ == name]
