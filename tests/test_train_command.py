@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from conftest import make_target
 from test_cli import run_cli, tiny_tokenizer
 from test_multiprocess_training import quiet_env
@@ -139,8 +140,12 @@ def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp
     # the target's terms travel with a drafter trained on its outputs
     assert (folder / "NOTICE.md").read_text() == "Provided under the Tiny Terms.\n" and "(`NOTICE.md`)" in card
 
+    stored = load_file(str(folder / "model.safetensors"))
+    assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}  # half the folder
+
     target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
     drafter = AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target)
+    assert {p.dtype for p in drafter.parameters()} == {target.dtype}  # attach casts to the target's dtype
     ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
     expected = target.generate(ids, max_new_tokens=12, do_sample=False)
     assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \

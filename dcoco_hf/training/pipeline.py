@@ -62,6 +62,9 @@ PROGRESS_FILE = "progress.jsonl"
 # Above LARGE_VOCAB tokens (Gemma's 262,144, Qwen's 151,936) the drafter's LM head costs most of a draft: by default it
 # proposes from the DRAFT_VOCAB tokens the target writes most, the size drafters of such targets use.
 LARGE_VOCAB, DRAFT_VOCAB = 65536, 32768
+# The drafter folder's weights: half of fp32's size (a Hub folder, a repository under a size limit), and a drafter
+# only proposes, so rounding its weights can cost tau but never exactness.
+SAVE_DTYPE = torch.bfloat16
 
 
 @dataclass
@@ -390,9 +393,10 @@ def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     (what `attach` weighs against this machine's cycle times) and a model card."""
     stage2 = run.out / "stage2" / "final"
     held_out = json.loads((run.data / "held_out.json").read_text())
-    taus = held_out_block_tau(DCOCODrafter.from_pretrained(stage2).attach(target, tune=False), target, tokenizer,
-                              held_out, run.tau_tokens)
-    drafter = DCOCODrafter.from_pretrained(stage2, block_tau=taus or None)
+    # tau is measured on the weights as stored (SAVE_DTYPE), which `attach` casts to the target's dtype
+    taus = held_out_block_tau(DCOCODrafter.from_pretrained(stage2, dtype=SAVE_DTYPE).attach(target, tune=False),
+                              target, tokenizer, held_out, run.tau_tokens)
+    drafter = DCOCODrafter.from_pretrained(stage2, dtype=SAVE_DTYPE, block_tau=taus or None)
     folder = run.out / "drafter"
     drafter.save_pretrained(folder)
     records = len(load_shards(run.data))
