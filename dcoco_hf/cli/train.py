@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..assets import SUITES, TARGETS, load_prompts_file, suite_prompts
+from ..assets import SUITES, TARGETS, known_target_built_at, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
 from ..training.phases import TIME_SHARES
@@ -104,7 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(options.threads)
     name = target_name(options.target)
     given = {f.name: getattr(options, f.name) for f in fields(TrainRun) if f.name in TrainRun.OPTIONS}
-    run = TrainRun(out=options.out.expanduser(), target=name, command=["dcoco-hf", *args.argv], **given)
+    known = known_target_built_at(name)
+    run = TrainRun(out=options.out.expanduser(), target=name, command=["dcoco-hf", *args.argv],
+                   hub_target=None if known is None else (known.hub_id, f"dcoco-hf target {known.name}"), **given)
     try:
         state = RunState.open(run)  # refuses another target's run before the target loads
     except RunFolderError as error:

