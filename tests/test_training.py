@@ -21,6 +21,7 @@ from dcoco_hf.training import (
     target_context,
     transition_labels,
 )
+from dcoco_hf.runtime.tap import decoder_layers
 from dcoco_hf.training.data import cache_target_features, load_shards, read_shard, save_shard, shard_path
 from dcoco_hf.training.losses import dcoco_loss, successor_loss
 from dcoco_hf.training.objective import drafter_loss, successor_accuracy
@@ -645,3 +646,34 @@ def test_a_reply_journal_keeps_what_a_killed_prompt_phase_wrote(tmp_path):
     assert data.ReplyJournal(path).done == {0: first, 1: second}
     # each batch samples under its own seed, so a resumed run writes what an uninterrupted one would
     assert data.ReplyJournal(None).replies(1, seed=3, sample=lambda: sample("c")) == second
+
+
+def test_features_of_the_targets_greedy_answers_skip_the_layers_above_the_deepest_read(tmp_path):
+    """The answers `dcoco-hf train` caches are the target's own greedy text: their next tokens are its argmax, so the
+    forward stops after the deepest layer read (no layer above it, no LM head) and gives the same states and labels."""
+    target = make_target("llama")
+    layers = [0, 2]  # of 4: layer 3 and the LM head need not run
+    generator = torch.Generator().manual_seed(1)
+    records = []
+    for prompt_len, new in ((5, 9), (3, 4), (7, 12)):
+        prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=generator)
+        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False)
+        mask = torch.zeros(out.shape[1], dtype=torch.bool)
+        mask[prompt_len:] = True
+        records.append({"input_ids": out[0].to(torch.int32), "loss_mask": mask})
+    torch.save(records, tmp_path / "shard-00000.pt")
+    ran = []
+    hooks = [decoder_layers(target)[3].register_forward_hook(lambda *args: ran.append("layer 3")),
+             target.lm_head.register_forward_hook(lambda *args: ran.append("lm_head"))]
+    cached = load_shards(cache_target_features(target, layers, tmp_path, tmp_path / "features", batch_tokens=64,
+                                               greedy_text=True))
+    for hook in hooks:
+        hook.remove()
+    assert ran == []
+    for record in cached:
+        states, argmax = target_context(target, layers, record["input_ids"].long()[None])
+        torch.testing.assert_close(record["context_states"].float(), states[0].to(torch.bfloat16).float())
+        # every label a block reads (from the prompt's last position, whose next token is the answer's first, to the
+        # last but one) is the full forward's argmax
+        read = slice(int(record["loss_mask"].nonzero()[0]) - 1, -1)
+        assert torch.equal(record["target_argmax"][read].long(), argmax[0, read])

@@ -519,8 +519,11 @@ def cache_target_features(
     dtype: torch.dtype = torch.bfloat16,
     batch_tokens: int = 4096,
     deadline: float | None = None,
+    greedy_text: bool = False,
 ) -> Path:
     """Precompute the target context of every record (hidden states at `layer_ids`, argmax labels), shard by shard.
+    `greedy_text`: the records are the target's own greedy answers (`regenerate`'s), so the labels are their next
+    tokens and the forwards stop after the deepest layer read (`target_context`).
 
     Worth it when training for more than one epoch: one target forward per sequence instead of one per epoch.
     States are stored in bf16 (the drafter's `fc` is robust to it; fp16 overflows there). Records of similar length
@@ -548,7 +551,7 @@ def cache_target_features(
             for row, record in enumerate(batch):
                 ids[row, : lengths[row]] = record["input_ids"]
                 mask[row, : lengths[row]] = 1
-            states, argmax = target_context(target, layer_ids, ids, mask)
+            states, argmax = target_context(target, layer_ids, ids, mask, greedy_text=greedy_text)
             for row, record in enumerate(batch):
                 record["context_states"] = states[row, : lengths[row]].to(dtype)
                 record["target_argmax"] = argmax[row, : lengths[row]].to(torch.int32)

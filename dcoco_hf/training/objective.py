@@ -6,10 +6,11 @@ Shared by the `transformers.Trainer` wrapper and by anything else that trains a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from ..runtime.tap import TargetTap
+from ..runtime.tap import TargetTap, decoder_layers
 from .losses import (
     SLOT_WEIGHTINGS,
     awl_slot_weights,
@@ -40,17 +41,27 @@ class DrafterLoss:
     first_slot_accuracy: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+class _LayersRead(Exception):
+    """Raised by the deepest layer a greedy-text forward reads: the rest of the forward is not needed."""
+
+
 @torch.no_grad()
 def target_context(
     target: torch.nn.Module,
     layer_ids: list[int],
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None = None,
+    greedy_text: bool = False,
 ) -> tuple[torch.Tensor, torch.LongTensor]:
     """Target hidden states at `layer_ids` (the very hooks used at inference) and the target's argmax tokens.
 
     Returns states [N, T, n_layers * H] and argmax [N, T] (the target's greedy next token after each position).
+    `greedy_text`: the rows' answers are the target's own greedy text (right-padded), so its argmax at every position
+    training reads (from the one before an answer's first token) is the next token; the forward then stops after the deepest layer read, skipping the layers above it and the LM head
+    (a quarter of a SmolLM2-135M forward, most of a Gemma 3 270M one with its 262,144-token head).
     """
+    if greedy_text:
+        return _states_below(target, layer_ids, input_ids, attention_mask), _next_tokens(input_ids)
     tap = TargetTap(target, layer_ids)
     try:
         tap.listen()
@@ -59,6 +70,34 @@ def target_context(
     finally:
         tap.remove()
     return forward.states, logits.argmax(-1)
+
+
+def _states_below(
+    target: torch.nn.Module, layer_ids: list[int], input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """[N, T, n_layers * H]: the outputs of the decoder layers `layer_ids`, as the tap records them, from a forward
+    cut short once the deepest of them has run."""
+    layers, states = decoder_layers(target), {}
+
+    def record(layer_id: int, module, args, output) -> None:
+        states[layer_id] = output[0] if isinstance(output, tuple) else output
+        if len(states) == len(set(layer_ids)):
+            raise _LayersRead
+
+    handles = [layers[i].register_forward_hook(partial(record, i)) for i in set(layer_ids)]
+    try:
+        target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _LayersRead:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([states[i] for i in layer_ids], dim=-1)
+
+
+def _next_tokens(input_ids: torch.LongTensor) -> torch.LongTensor:
+    """[N, T]: each position's next token (the last position repeats its own: no label is read there)."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
 
 
 def drafter_loss(

@@ -309,7 +309,8 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
 
 def cache_features(run: TrainRun, target: PreTrainedModel) -> None:
     """One target forward per answer, cached: the hidden states of the layers the drafter will read (the layers
-    `DCOCODrafter.from_target` picks for --target-layers-read) and the greedy labels. Each stage reads the records
+    `DCOCODrafter.from_target` picks for --target-layers-read) and the greedy labels, which for the target's own
+    greedy answers are their next tokens (the forward stops at the deepest layer read). Each stage reads the records
     more than once, and a drafter step costs a fraction of the target forward it would otherwise repeat. Refuses,
     before any forward, a disk without room for them."""
     layer_ids = spread_layer_ids(target.config.num_hidden_layers, run.target_layers_read)
@@ -325,7 +326,8 @@ def cache_features(run: TrainRun, target: PreTrainedModel) -> None:
                          "larger disk")
     log(f"target features: {len(records)} answers, {tokens} tokens, layers {layer_ids}: about "
         f"{needed / 2**30:.1f} GiB in {run.features}")
-    cache_target_features(target, layer_ids, run.data, run.features / run.data.name, deadline=run.deadline("features"))
+    cache_target_features(target, layer_ids, run.data, run.features / run.data.name, deadline=run.deadline("features"),
+                          greedy_text=True)  # the answers phase wrote them greedily
 
 
 def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stage: int) -> None:
