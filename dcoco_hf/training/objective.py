@@ -57,8 +57,9 @@ def target_context(
 
     Returns states [N, T, n_layers * H] and argmax [N, T] (the target's greedy next token after each position).
     `greedy_text`: the rows' answers are the target's own greedy text (right-padded), so its argmax at every position
-    training reads (from the one before an answer's first token) is the next token; the forward then stops after the deepest layer read, skipping the layers above it and the LM head
-    (a quarter of a SmolLM2-135M forward, most of a Gemma 3 270M one with its 262,144-token head).
+    training reads (from the one before an answer's first token) is the next token; the forward then stops after
+    the deepest layer read, skipping the layers above it and the LM head (a quarter of a SmolLM2-135M forward, most
+    of a Gemma 3 270M one with its 262,144-token head).
     """
     if greedy_text:
         return _states_below(target, layer_ids, input_ids, attention_mask), _next_tokens(input_ids)
