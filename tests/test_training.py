@@ -174,6 +174,8 @@ def test_trainer_stages_resume_and_export(tmp_path):
     assert drafter.corrector.delta_out.weight.abs().sum() > 0
     logged = [entry for entry in trainer.state.log_history if "successor_corrector_acc" in entry]
     assert logged and all(0 <= entry["successor_drafter_acc"] <= 1 for entry in logged)
+    steps = [entry for entry in logged if "loss" in entry]  # the step lines, not the closing summary
+    assert steps and all(entry["tokens_per_second"] > 0 for entry in steps)  # shown beside the bar's steps and ETA
     resumed = _trainer(model2, tmp_path / "s2", steps=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "s2" / "checkpoint-2"))
     assert resumed.state.global_step == 4

@@ -535,7 +535,9 @@ def cache_target_features(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path in tqdm(shard_paths(data_dir), desc="target features", unit="shard"):
+    progress = tqdm(shard_paths(data_dir), desc="target features", unit="shard")
+    tokens, start = 0, time.time()
+    for path in progress:
         if deadline is not None and time.time() >= deadline:
             break
         destination = out_dir / (path.stem + SHARD_SUFFIX)
@@ -557,6 +559,8 @@ def cache_target_features(
                 record["target_argmax"] = argmax[row, : lengths[row]].to(torch.int32)
         _fingerprint_file(destination).write_text(_fingerprint(path))
         save_shard(records, destination)
+        tokens += sum(len(record["input_ids"]) for record in records)
+        progress.set_postfix_str(f"{tokens / max(time.time() - start, 1e-9):.0f} tokens/s")
     return out_dir
 
 

@@ -8,6 +8,7 @@ the dataset provides them, else it is computed online with the same hooks infere
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +144,16 @@ class DrafterCollator:
 
 
 class DrafterTrainer(Trainer):
-    """Trainer whose loss is the drafter objective; logs the DFlash/DCOCO parts; exports a loadable drafter folder."""
+    """Trainer whose loss is the drafter objective; logs the DFlash/DCOCO parts and the tokens read per second;
+    exports a loadable drafter folder."""
+
+    _tokens = 0  # record tokens this process read since the last log
+    _since: float | None = None  # when that count started
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self._since = self._since or time.perf_counter()
+            self._tokens += int(inputs["attention_mask"].sum())
         outputs = model(**inputs)
         if self.state.global_step % max(self.args.logging_steps, 1) == 0 and model.training:
             parts = {"dflash_loss": float(outputs["dflash"])}
@@ -167,6 +175,9 @@ class DrafterTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         logs.update(getattr(self, "_parts", {}))
+        if "loss" in logs and self._since is not None:
+            logs["tokens_per_second"] = round(self._tokens / max(time.perf_counter() - self._since, 1e-9), 1)
+            self._tokens, self._since = 0, time.perf_counter()
         super().log(logs, *args, **kwargs)
 
     def export_drafter(self, folder: str | Path) -> None:
