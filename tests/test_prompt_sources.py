@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dcoco_hf.training.prompt_sources import (
     OVERLAP_WORDS,
@@ -49,9 +50,15 @@ def test_prepare_prompts_drops_duplicates_and_anything_near_an_evaluation_prompt
     assert kept == ["Explain tides.", "Write a haiku about tea."]
     assert (report.duplicates, report.overlapping, report.named_like_evaluation) == (2, 1, 1)
     assert report.sources == {"a": 3, "b": 3} and report.kept == 2 and report.evaluation_prompts == 2
-    card = dataset_card(report, "org/model", "dcoco-hf train --target org/model --out run", answers=2)
+    card = dataset_card(report, "org/model", "dcoco-hf train --target org/model --out run")
     assert "dcoco-hf train --target org/model --out run" in card and "| a | 3 |" in card
     assert f"sharing a run of {OVERLAP_WORDS} words" in card and "2 prompts kept" in card
+    meta = yaml.safe_load(card.split("---\n")[1])  # the Hub's metadata
+    assert meta["license"] == "other" and "org/model's output: its licence and terms apply" in card
+    assert meta["size_categories"] == ["n<1K"] and meta["task_categories"] == ["text-generation"]
+    assert meta["pretty_name"] == "Training prompts and answers for a drafter of org/model"
+    apache = yaml.safe_load(dataset_card(report, "org/model", "x", license="apache-2.0").split("---\n")[1])
+    assert apache["license"] == "apache-2.0"
 
 
 @pytest.mark.slow

@@ -190,6 +190,47 @@ def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path)
     assert (out / "drafter" / "model.safetensors").exists()
 
 
+def test_the_dataset_card_counts_the_answers_written(tmp_path):
+    """The run's data folder is a Hub dataset: its card, written with the prompts, gains the records' figures once
+    the target has answered, from the shards themselves."""
+    from dcoco_hf.training.data import load_shards
+    from dcoco_hf.training.pipeline import TrainRun, write_answers
+
+    run = TrainRun(out=tmp_path / "run", target="tiny", max_new_tokens=6, answer_batch_size=4)
+    target, tokenizer = make_target("qwen3"), tiny_tokenizer()
+    run.data.mkdir(parents=True)
+    (run.data / "prompts.json").write_text(json.dumps([f"w{i} w{i + 1}" for i in range(5)]))
+    (run.data / "README.md").write_text("---\npretty_name: x\n---\n\n# the prompts' card\n")
+    for _ in range(2):  # a resumed phase rewrites the section instead of adding a second one
+        write_answers(run, target, tokenizer)
+    card = (run.data / "README.md").read_text()
+    records = load_shards(run.data)
+    tokens = sum(len(r["input_ids"]) for r in records)
+    written = sum(int(r["loss_mask"].sum()) for r in records)
+    assert card.startswith("---\npretty_name: x\n---\n\n# the prompts' card\n") and card.count("## Records") == 1
+    assert "| records | 5: one prompt each, answered greedily, up to 6 new tokens |" in card
+    assert f"| tokens | {tokens:,} in all, {written:,} of them written by the target (`loss_mask`) |" in card
+
+
+def test_until_stops_after_a_phase_and_the_same_command_without_it_goes_on(folders, tmp_path):
+    """`--until answers` writes the data alone (to look at, or train elsewhere); dropping the flag goes on from the
+    features without answering again."""
+    out = tmp_path / "run"
+    first = run_cli(*train_argv(folders, out), "--until", "answers")
+    assert first.code == 0, first.err[-2000:]
+    assert "stopped after the answers phase" in first.out
+    assert state(out)["finished"] == ["prompts", "answers"] and not (out / "features").exists()
+    shards = {path: path.stat().st_mtime_ns for path in (out / "data").glob("shard-*")}
+    assert shards
+    rest = run_cli(*train_argv(folders, out))
+    assert rest.code == 0, rest.err[-2000:]
+    assert state(out)["ran"][-1] == ["features", "stage1", "stage2", "final"]
+    assert {path: path.stat().st_mtime_ns for path in shards} == shards
+    with pytest.raises(SystemExit) as refused:  # the last phase is no stop: it is the run's end
+        run_cli(*train_argv(folders, tmp_path / "other"), "--until", "final")
+    assert refused.value.code == 2 and not (tmp_path / "other").exists()
+
+
 def test_recipe_options_are_overridden_by_flags(tmp_path):
     recipe = tmp_path / "run.yaml"
     recipe.write_text("out: runs/x\nsteps: 50\nanswers: 64\nbf16: true\n")
@@ -321,6 +362,7 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from dcoco_hf.assets import known_target_built_at
+    from dcoco_hf.cli.train import hub_target
     from dcoco_hf.training.pipeline import TrainRun, model_card
 
     monkeypatch.setenv("DCOCO_HF_CACHE", str(tmp_path / "cache"))
@@ -332,7 +374,7 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
 
     config = SimpleNamespace(num_hidden_layers=2, block_size=8, top_k=16, draft_vocab_size=32768)
     run = TrainRun(out=tmp_path / "run", target=str(built), command=["dcoco-hf", "train", "--target", "gemma3-270m"],
-                   hub_target=(known.hub_id, f"dcoco-hf target {known.name}"))
+                   hub_target=hub_target(known))
     card = model_card(run, SimpleNamespace(config=config), {"4": 2.5}, 16, 100)
     assert 'AutoModelForCausalLM.from_pretrained("google/gemma-3-270m")' in card and str(built) not in card
     assert "base_model: google/gemma-3-270m" in card and "`dcoco-hf target gemma3-270m` builds" in card

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, fit_drafter, function_signatures, make_target
+from conftest import VOCAB, fit_drafter, make_target
 from safetensors.torch import load_file, save_file
 from transformers import TrainingArguments
 
@@ -237,57 +237,6 @@ def test_a_saved_shard_loads_as_the_same_records_with_one_storage_per_field(tmp_
             assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
     for name in records[0]:
         assert len({r[name].untyped_storage().data_ptr() for r in loaded}) == 1
-
-
-@pytest.mark.slow
-def test_teacher_forced_text_records_cover_the_assistant_turn_and_hold_out_humaneval(tmp_path):
-    from transformers import AutoTokenizer
-
-    from dcoco_hf import assets
-    from dcoco_hf.training.data import (
-        python_docs_pairs,
-        stdlib_source_pairs,
-        teacher_forced_shards,
-    )
-
-    code, docs = stdlib_source_pairs(), python_docs_pairs()
-    assert len(code) > 1000 and len(docs) > 100
-    assert all(answer.startswith("```python\n") and "def " in answer and answer.endswith("```") for _, answer in code)
-    assert not function_signatures(p for p, _ in code) & function_signatures(assets.suite_prompts("humaneval"))
-
-    tokenizer = AutoTokenizer.from_pretrained(assets.default_target_path())
-    pairs = [code[0], docs[0], ("Say hi.", "Hi there!")]
-    records = load_shards(teacher_forced_shards(tokenizer, pairs, tmp_path, max_length=96))
-    assert len(records) == 3
-    for (user, answer), record in zip(pairs, records):
-        ids, mask = record["input_ids"].long(), record["loss_mask"]
-        assert len(ids) <= 96 and mask.any() and not mask[: mask.nonzero()[0]].any()  # one contiguous tail
-        assert tokenizer.decode(ids[~mask]).endswith(f"{user}<|im_end|>\n<|im_start|>assistant\n")
-        assert answer.startswith(tokenizer.decode(ids[mask]))
-    assert tokenizer.decode(records[2]["input_ids"][records[2]["loss_mask"]].long()) == "Hi there!"
-
-
-def test_whole_stdlib_code_prompts_extend_the_curated_ones_drop_excluded_and_hold_out_humaneval():
-    from dcoco_hf import assets
-    from dcoco_hf.training.data import stdlib_code_prompts
-
-    curated, whole = stdlib_code_prompts(), stdlib_code_prompts(whole_stdlib=True)
-    assert len(whole) > 3 * len(curated) > 1200 and len(set(whole)) == len(whole)
-    assert not [p for p in whole if " at 0x" in p]  # the same prompts in every process, so --exclude can match them
-    assert len(set(curated) - set(whole)) < 0.1 * len(curated)  # re-exported functions may be found under another name
-    assert not function_signatures(whole) & function_signatures(assets.suite_prompts("humaneval"))
-    second = stdlib_code_prompts(200, whole_stdlib=True, exclude=curated)
-    assert len(second) == 200 and not set(second) & set(curated)
-    assert stdlib_code_prompts(200, whole_stdlib=True, exclude=curated) == second  # same seed, same folder on resume
-
-
-def test_regenerate_script_refuses_an_exclude_folder_without_prompts(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "scripts" / "regenerate_data.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path / "out"), "--exclude", str(tmp_path)],
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 2 and f"--exclude {tmp_path}: no prompts.json there" in result.stderr
 
 
 def test_train_script_refuses_architecture_flags_next_to_init():

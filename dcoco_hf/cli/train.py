@@ -15,18 +15,22 @@ import argparse
 import json
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..assets import SUITES, TARGETS, known_target_built_at, load_prompts_file, suite_prompts
+from ..assets import SUITES, TARGETS, KnownTarget, known_target_built_at, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
-from ..training.phases import TIME_SHARES
+from ..training.phases import PHASES, TIME_SHARES
 from .common import CLIError, check_model_path, first_line, parse_with_recipe, resolve_target
 from .plots import require_matplotlib, write_training_plot
+
+if TYPE_CHECKING:  # the training machinery is imported when a run starts (see cmd_train)
+    from ..training.pipeline import HubTarget
 
 # The held-out prompt suites of a source checkout (scripts/prompts/*.jsonl): reported on, so never trained on.
 HELD_OUT_SUITES = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
@@ -89,6 +93,9 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
     p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and training (default 0)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in training (GPUs)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--until", choices=PHASES[:-1], default=None,
+                   help="stop after this phase (e.g. `answers`: the data alone, to train elsewhere or look at first); "
+                        "the same command without it goes on from there")
     p.set_defaults(handler=cmd_train, train_parser=p)
 
 
@@ -106,7 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     given = {f.name: getattr(options, f.name) for f in fields(TrainRun) if f.name in TrainRun.OPTIONS}
     known = known_target_built_at(name)
     run = TrainRun(out=options.out.expanduser(), target=name, command=["dcoco-hf", *args.argv],
-                   hub_target=None if known is None else (known.hub_id, f"dcoco-hf target {known.name}"), **given)
+                   hub_target=hub_target(known), **given)
     try:
         state = RunState.open(run)  # refuses another target's run before the target loads
     except RunFolderError as error:
@@ -115,12 +122,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "prompts" not in state.finished and not options.prompts:
         run.evaluation = evaluation_prompts()
     try:
-        folder = train(run, target, tokenizer)
+        folder = train(run, target, tokenizer, until=options.until)
     except ValueError as error:
         raise CLIError(str(error)) from None
+    if folder is None:
+        print(f"stopped after the {options.until} phase in {run.out}; the same command without --until goes on")
+        return 0
     print(f"drafter written to {folder} (model card: {folder / 'README.md'})")
     plot_progress(run.out)
     return 0
+
+
+def hub_target(known: KnownTarget | None) -> HubTarget | None:
+    """How the cards name a target built from PyPI (`dcoco-hf target NAME`); None for any other target."""
+    from ..training.pipeline import HubTarget
+
+    return None if known is None else HubTarget(known.hub_id, f"dcoco-hf target {known.name}", known.license)
 
 
 def plot_progress(out: Path) -> None:

@@ -428,7 +428,8 @@ class DCOCODrafter(DCOCODraftModel, GenerationMixin):
 
         Weights are written complete, also for a drafter loaded from a head-only folder. `base_drafter` (a folder
         relative to `save_directory`, an absolute path or a Hub id; see `DCOCOConfig.base_drafter`) writes only the
-        tensors that are not bit-identical to that drafter's, and names it in config.json.
+        tensors whose values differ from that drafter's (a backbone stored there in bf16 and upcast here counts as the
+        same), and names it in config.json.
         """
         if format == "lilicorr":
             if base_drafter is not None:
@@ -493,8 +494,15 @@ def save_network_code(folder: str | os.PathLike) -> list[str]:
 
 
 def _same_tensor(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
-    return other is not None and tensor.shape == other.shape and tensor.dtype == other.dtype and torch.equal(
-        tensor.detach().cpu(), other)
+    """Whether `tensor` holds exactly the values of the base's `other`. Floating tensors compare by value (float64
+    holds every fp32, bf16 and fp16 value exactly), so a head trained in fp32 on a frozen backbone stored in bf16 still
+    finds its backbone in the base: loading reads the base's values, which are the same numbers."""
+    if other is None or tensor.shape != other.shape:
+        return False
+    tensor = tensor.detach().cpu()
+    if tensor.is_floating_point() and other.is_floating_point():
+        return torch.equal(tensor.double(), other.double())
+    return tensor.dtype == other.dtype and torch.equal(tensor, other)
 
 
 @torch.no_grad()

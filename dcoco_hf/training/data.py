@@ -1,37 +1,28 @@
-"""Training data for a drafter: prompts the target answers itself (greedy, chat template), stored with a response mask.
+"""Training data for a drafter: the target's own greedy answers, stored with a response mask.
 
 DFlash and DCOCO train on the target's OWN greedy responses, so the drafter learns to predict what the target will
-accept. Prompt sources must stay disjoint from the evaluation suites (HumanEval, MT-Bench), so we build our own:
+accept. `prompt_sources` builds the prompts at scale; this module adds the ones the target writes itself
+("self-instruct", kept batch by batch in a `ReplyJournal` so a killed run resumes):
 
-* code prompts from Python standard-library functions: each one's signature and docstring summary, asked in the
-  same "complete the function" form our HumanEval prompts use (different functions, same task shape);
-* chat prompts written by the target itself ("self-instruct"): the target is asked, with sampling, for a question a
-  user might ask about one of a fixed list of everyday topics;
-* programming exercises written by the target itself: asked for the signature and docstring of a small function
-  about a programming topic, the first such function of its reply becomes a "complete the function" prompt (closer to
-  HumanEval's small algorithmic tasks than library functions are; functions named as in HumanEval are dropped).
+* chat prompts: the target is asked, with sampling, for a question a user might ask about one of a fixed list of
+  everyday topics;
+* programming exercises: asked for the signature and docstring of a small function about a programming topic, the
+  first such function of its reply becomes a "complete the function" prompt (closer to HumanEval's small algorithmic
+  tasks than library functions are; functions named as in HumanEval are dropped).
 
-Regeneration runs at ~50 tokens/s on a 2-core CPU. Teacher-forced text is 5-10x cheaper per labelled token (one
-target forward per sequence; `losses.pack_blocks` labels each slot with the target's own greedy token, and only while
-the text follows that greedy path), so we also build chat records whose assistant turn is existing text:
-
-* the real source of those same stdlib functions, answering their "complete the function" prompt;
-* the Python reference documentation (`pydoc_data.topics`), answering "explain this Python topic".
-
-Data is written in shards (`shard-00000.safetensors`: records of {"input_ids", "loss_mask"}, a format that runs no
-code when loaded; older folders' `shard-*.pt` are read with `weights_only=True`), so generation resumes where it
-stopped and training streams shards.
+`regenerate` has the target answer prompts shortest first, in batches, and writes shards (`shard-00000.safetensors`:
+records of {"input_ids", "loss_mask"}, a format that runs no code when loaded; older folders' `shard-*.pt` are read
+with `weights_only=True`), so answering resumes where it stopped and training streams shards.
+`cache_target_features` stores the target's hidden states per shard, once, for the training stages.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import random
 import re
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,19 +33,6 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
-
-STDLIB_MODULES = (
-    "bisect", "calendar", "colorsys", "copy", "csv", "datetime", "difflib", "fnmatch", "fractions", "functools",
-    "glob", "gzip", "heapq", "html", "ipaddress", "itertools", "json", "keyword", "locale", "mimetypes", "ntpath",
-    "operator", "os", "os.path", "pathlib", "pickle", "platform", "posixpath", "pprint", "queue", "quopri", "random",
-    "re", "secrets", "shlex", "shutil", "statistics", "string", "struct", "tarfile", "tempfile", "textwrap",
-    "tokenize", "typing", "unicodedata", "urllib.parse", "uuid", "warnings", "zipfile", "base64", "binascii",
-    "codecs", "collections", "contextlib", "dataclasses", "decimal", "email.utils", "enum", "filecmp", "getopt",
-    "gettext", "graphlib", "hashlib", "hmac", "http.cookies", "inspect", "io", "linecache", "logging", "math",
-    "numbers", "optparse", "reprlib", "sched", "selectors", "smtplib", "socket", "sqlite3", "stat", "string",
-    "subprocess", "sysconfig", "threading", "timeit", "trace", "traceback", "types", "wave", "weakref",
-    "xml.dom.minidom",
-)
 
 CHAT_TOPICS = (
     "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry", "geography", "music",
@@ -94,111 +72,8 @@ _EXERCISE = re.compile(  # a one-line top-level def, then at once its docstring 
     re.M | re.S,
 )
 
-# Importing these has side effects (a browser, a printed poem, a GUI) or pulls test suites.
-_UNSAFE_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "__phello__"}
-
-
-def _stdlib_functions(
-    modules: tuple[str, ...] = STDLIB_MODULES, methods: bool = False
-) -> Iterator[tuple[str, object]]:
-    """(prompt body, function) for each documented public function of `modules` (and of their public classes when
-    `methods`): signature + docstring summary, as in a HumanEval prompt."""
-    seen = set()
-    for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # platform-specific modules
-            continue
-        owners = [module]
-        if methods:
-            owners += [c for n, c in inspect.getmembers(module, inspect.isclass)
-                       if not n.startswith("_") and c.__module__ == module.__name__]
-        for owner in owners:
-            for name, func in inspect.getmembers(owner, inspect.isfunction):
-                doc = inspect.getdoc(func)
-                key = (getattr(func, "__qualname__", name), func.__module__)
-                if name.startswith("_") or not doc or func.__module__ != module.__name__ or key in seen:
-                    continue
-                try:
-                    signature = str(inspect.signature(func))
-                except (TypeError, ValueError):
-                    continue
-                summary = doc.split("\n\n")[0].strip().replace('"""', "'''")
-                seen.add(key)
-                yield f'def {name}{signature}:\n    """{summary}\n    """\n', func
-
-
-def _whole_stdlib() -> tuple[str, ...]:
-    return tuple(sorted(m for m in sys.stdlib_module_names if m not in _UNSAFE_MODULES))
-
-
-def stdlib_code_prompts(
-    limit: int | None = None, seed: int = 0, whole_stdlib: bool = False, exclude: Iterable[str] = ()
-) -> list[str]:
-    """'Complete the following Python function' prompts from documented standard-library functions.
-
-    The default draws on the functions of STDLIB_MODULES (~520); `whole_stdlib` on every documented function and
-    public-class method of the standard library (~2100), for a second data folder once the first is used up.
-    Prompts in `exclude` (for instance an earlier folder's prompts.json) are dropped before shuffling.
-    """
-    functions = _stdlib_functions(_whole_stdlib(), methods=True) if whole_stdlib else _stdlib_functions()
-    excluded = set(exclude)
-    # dict.fromkeys: methods of sibling classes often share name, signature and docstring summary (~10% repeats).
-    # A default printed with its memory address (`<function copy2 at 0x7f...>`) reads differently in every process,
-    # so --exclude could never match its prompt: such functions are left out of prompts (not of the source pairs,
-    # whose folders are made once and never excluded against).
-    prompts = [p for p in dict.fromkeys(HUMANEVAL_TEMPLATE.format(prompt=body) for body, _ in functions)
-               if p not in excluded and " at 0x" not in p]
-    random.Random(seed).shuffle(prompts)
-    return prompts[:limit]
-
-
-def stdlib_source_pairs() -> list[tuple[str, str]]:
-    """(user, assistant) pairs: a "complete the function" prompt for every documented function or method of the
-    whole standard library, answered with its real source in a code fence."""
-    pairs = []
-    for body, func in _stdlib_functions(_whole_stdlib(), methods=True):
-        try:
-            source = textwrap.dedent(inspect.getsource(func))
-        except (OSError, TypeError):
-            continue
-        pairs.append((HUMANEVAL_TEMPLATE.format(prompt=body), f"```python\n{source}```"))
-    return pairs
-
-
-def python_docs_pairs(piece_chars: int = 1500) -> list[tuple[str, str]]:
-    """(user, assistant) pairs: 'Explain <topic>' answered with pieces of the Python reference documentation."""
-    from pydoc_data.topics import topics
-
-    pairs = []
-    for topic, text in sorted(topics.items()):
-        paragraphs, piece = text.strip().split("\n\n"), ""
-        for paragraph in paragraphs:
-            if piece and len(piece) + len(paragraph) > piece_chars:
-                pairs.append((f"Explain the Python topic '{topic}'.", piece.strip()))
-                piece = ""
-            piece += paragraph + "\n\n"
-        if piece.strip():
-            pairs.append((f"Explain the Python topic '{topic}'.", piece.strip()))
-    return pairs
-
-
-def teacher_forced_shards(
-    tokenizer, pairs: list[tuple[str, str]], out_dir: str | Path, max_length: int = 512, shard_size: int = 256
-) -> Path:
-    """Store (user, assistant) text pairs as chat records: the assistant turn is the loss region. Resumable."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for index, shard in enumerate(tqdm(list(_batches(pairs, shard_size)), desc="text records", unit="shard")):
-        if shard_done(out_dir, index):
-            continue
-        records = []
-        for user, assistant in shard:
-            prompt = chat_input_ids(tokenizer, user)[0]
-            answer = tokenizer(assistant, add_special_tokens=False, return_tensors="pt").input_ids[0]
-            records.append(_record(prompt, answer[: max(0, max_length - len(prompt))]))
-        save_shard(records, shard_path(out_dir, index))
-    return out_dir
+# Records per shard: what a killed run loses at most, and the unit answering and feature caching resume by.
+RECORDS_PER_SHARD = 64
 
 
 @torch.no_grad()
@@ -346,7 +221,7 @@ def regenerate(
     out_dir: str | Path,
     max_new_tokens: int = 256,
     batch_size: int = 16,
-    shard_size: int = 64,
+    shard_size: int = RECORDS_PER_SHARD,
     max_shards: int | None = None,
     deadline: float | None = None,
 ) -> Path:

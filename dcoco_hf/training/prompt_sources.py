@@ -24,11 +24,12 @@ import inspect
 import pkgutil
 import random
 import re
+import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .data import CHAT_TOPICS, _stdlib_functions, _whole_stdlib
+from .data import CHAT_TOPICS
 from ..runtime.prompts import HUMANEVAL_TEMPLATE
 
 # Installed libraries whose documented functions make code prompts, when present. Pure-Python or thin-wrapper
@@ -41,6 +42,10 @@ LIBRARIES = ("numpy", "sympy", "networkx", "jinja2", "yaml", "packaging", "tqdm"
 _SKIPPED_SUBMODULES = {"tests", "testing", "conftest", "benchmarks", "this", "antigravity"}
 # A prompt sharing this many consecutive words with an evaluation prompt counts as overlapping it.
 OVERLAP_WORDS = 8
+
+# Importing these has side effects (a browser, a printed poem, a GUI) or pulls test suites.
+_UNSAFE_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "__phello__"}
+
 
 TASK_TEMPLATES = (
     "Explain {topic} to a beginner in a few sentences.",
@@ -153,7 +158,7 @@ def library_functions(libraries: tuple[str, ...] = LIBRARIES) -> tuple[str, ...]
     and of `libraries`, deduplicated, in a fixed order. Importing every submodule takes ~20 s, once per process."""
     with warnings.catch_warnings():  # deprecated submodules announce themselves on import
         warnings.simplefilter("ignore")
-        bodies = [body for body, _ in _stdlib_functions(library_modules(libraries), methods=True)]
+        bodies = [body for body, _ in _documented_functions(library_modules(libraries), methods=True)]
     # A default printed with its memory address (`<function f at 0x7f...>`) differs in every process.
     return tuple(b for b in dict.fromkeys(bodies) if " at 0x" not in b)
 
@@ -167,6 +172,38 @@ def library_modules(libraries: tuple[str, ...] = LIBRARIES) -> tuple[str, ...]:
         for library in libraries:
             modules += _submodules(library)
     return tuple(modules)
+
+
+def _documented_functions(modules: Iterable[str], methods: bool = False) -> Iterator[tuple[str, object]]:
+    """(prompt body, function) for each documented public function of `modules` (and of their public classes when
+    `methods`): signature + docstring summary, as in a HumanEval prompt."""
+    seen = set()
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # platform-specific modules
+            continue
+        owners = [module]
+        if methods:
+            owners += [c for n, c in inspect.getmembers(module, inspect.isclass)
+                       if not n.startswith("_") and c.__module__ == module.__name__]
+        for owner in owners:
+            for name, func in inspect.getmembers(owner, inspect.isfunction):
+                doc = inspect.getdoc(func)
+                key = (getattr(func, "__qualname__", name), func.__module__)
+                if name.startswith("_") or not doc or func.__module__ != module.__name__ or key in seen:
+                    continue
+                try:
+                    signature = str(inspect.signature(func))
+                except (TypeError, ValueError):
+                    continue
+                summary = doc.split("\n\n")[0].strip().replace('"""', "'''")
+                seen.add(key)
+                yield f'def {name}{signature}:\n    """{summary}\n    """\n', func
+
+
+def _whole_stdlib() -> tuple[str, ...]:
+    return tuple(sorted(m for m in sys.stdlib_module_names if m not in _UNSAFE_MODULES))
 
 
 def documentation_openings(libraries: tuple[str, ...] = LIBRARIES, sentences: int = 2) -> list[str]:
@@ -297,15 +334,37 @@ def prepare_prompts(
     return kept, report
 
 
-def dataset_card(report: PromptReport, target: str, command: str, answers: int | None = None) -> str:
-    """A dataset card (README.md) for a folder of the target's answers to these prompts."""
+def dataset_card(report: PromptReport, target: str, command: str, license: str = "other") -> str:
+    """A dataset card (README.md, with the Hub's metadata) for a folder of the target's answers to these prompts:
+    where the prompts come from and what was dropped. `records_section` adds the answers once they are written."""
     rows = "\n".join(f"| {source} | {count} |" for source, count in report.sources.items())
-    written = f"The target answered {answers} of them (greedy)." if answers is not None else ""
-    return f"""# Training prompts and answers for a drafter of {target}
+    sizes = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"))
+    size = next((name for bound, name in sizes if report.kept < bound), "n>1M")
+    terms = "" if license != "other" else (
+        f"\nThe answers are {target}'s output: its licence and terms apply to them.\n")
+    return f"""---
+pretty_name: Training prompts and answers for a drafter of {target}
+license: {license}
+language:
+- en
+task_categories:
+- text-generation
+size_categories:
+- {size}
+tags:
+- dcoco-hf
+- speculative-decoding
+- drafter-training
+- synthetic
+---
+
+# Training prompts and answers for a drafter of {target}
 
 Made by `{command}`. Each record is a prompt and the target's own greedy answer or continuation (token ids and a
-mask over what the target wrote), what a DFlash/DCOCO drafter learns to predict. {written}
-
+mask over what the target wrote), what a DFlash/DCOCO drafter learns to predict. Prompts are mostly English; some
+ask for an answer in another language, and a base model's prose openings are partly French, Spanish, German, Italian
+or Portuguese.
+{terms}
 ## Sources
 
 | source | prompts |
@@ -328,6 +387,26 @@ target itself.
 """
 
 
-__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "dataset_card", "documentation_openings",
+RECORDS_HEADING = "\n## Records\n"
+
+
+def records_section(records: int, tokens: int, answer_tokens: int, max_new_tokens: int, shard_size: int) -> str:
+    """The dataset card's account of the written answers (`dataset_card` describes their prompts)."""
+    return f"""{RECORDS_HEADING}
+| | |
+| --- | --- |
+| records | {records:,}: one prompt each, answered greedily, up to {max_new_tokens} new tokens |
+| tokens | {tokens:,} in all, {answer_tokens:,} of them written by the target (`loss_mask`) |
+| files | `shard-*.safetensors`, {shard_size} records each (`input_ids`, `loss_mask`; no code runs on load) |
+
+```python
+from dcoco_hf.training.data import load_shards
+
+records = load_shards("path/to/this/folder")  # [{{"input_ids": [T] token ids, "loss_mask": [T] bool}}, ...]
+```
+"""
+
+
+__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "RECORDS_HEADING", "dataset_card", "documentation_openings",
            "library_code_openings", "library_code_prompts", "normalized", "prepare_prompts", "prose_openings",
-           "task_prompts"]
+           "records_section", "task_prompts"]
