@@ -1,9 +1,9 @@
 r"""Retarget a trained DCOCO drafter to another verifier with the same tokenizer (e.g. a fine-tune) with LoRA only.
 
-First regenerate data with the NEW target, then train adapters on the drafter backbone and corrector (stage 2):
-    python scripts/regenerate_data.py --target my-finetune --out data/my-finetune
-    python scripts/retarget_drafter.py --drafter runs/stage2/final --new-target my-finetune \
-        --data data/my-finetune --output runs/retarget --epochs 1
+First have the NEW target write its answers, then train adapters on the drafter backbone and corrector (stage 2):
+    dcoco-hf train --target my-finetune --out runs/my-finetune --answers 2000 --until answers
+    python scripts/retarget_drafter.py --drafter model_cards/dcoco-smollm2-135m --new-target my-finetune \
+        --data runs/my-finetune/data --output runs/retarget --epochs 1
 tau (committed tokens per target forward) is measured before and after on held-out prompts: the last
 --eval-prompts records of --data (left out of training), or the prompts of a --prompts JSON file (a list of strings).
 Only the adapter is saved (<output>/adapter_model.safetensors); load it with
@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", required=True, help="trained drafter folder (the one being retargeted)")
     p.add_argument("--new-target", required=True, help="the new verifier: folder or Hub id")
-    p.add_argument("--data", type=Path, required=True, help="scripts/regenerate_data.py output of the NEW target")
+    p.add_argument("--data", type=Path, required=True, help="the NEW target's answers (`dcoco-hf train ... --until answers`: RUN/data)")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)

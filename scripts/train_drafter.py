@@ -1,16 +1,18 @@
-r"""Train a DCOCO drafter with transformers.Trainer (resumable; `accelerate launch` works unchanged).
+r"""Train one stage of a DCOCO drafter with transformers.Trainer, every option exposed (resumable; `accelerate launch`
+works unchanged). `dcoco-hf train` runs whole drafters; this script is for what it does not: a new corrector head on
+a trained drafter's frozen backbone (LiLiCorr, the DFlash2 selector), a corrector on a public DFlash folder, or a
+stage with options of your own.
 
-Stage 1 (DFlash backbone, corrector frozen at zero), on regenerated and teacher-forced data together:
-    python scripts/train_drafter.py --stage 1 --data data/smollm2 data/smollm2-text --features data/features \
-        --output runs/stage1 --layers 2 --init-from-target --block-size 8 --epochs 1
-Stage 2 (joint DFlash + DCOCO), from the stage-1 drafter:
-    python scripts/train_drafter.py --stage 2 --init runs/stage1/final --data data/smollm2 data/smollm2-text \
-        --features data/features --output runs/stage2 --epochs 0.5
+A LiLiCorr head on the shipped drafter, from the answers and cached target features of a `dcoco-hf train` run:
+    python scripts/train_drafter.py --stage 2 --init model_cards/dcoco-smollm2-135m --corrector lilicorr \
+        --corrector-only --data runs/smollm2-16k/data --features runs/smollm2-16k/features --output runs/lilicorr \
+        --block-sizes 4 --max-steps 1200
 
-With --features, each data folder's target context is cached once under <features>/<folder name>.
+With --features, each data folder's target context is cached once under <features>/<folder name> (a `dcoco-hf train`
+run's own cache is found there).
 
 From a recipe file (recipes/*.yaml: keys are this script's long options; flags given on the command line override it):
-    python scripts/train_drafter.py --recipe recipes/smollm2/stage2o.yaml --max-steps 10
+    python scripts/train_drafter.py --recipe recipes/smollm2/lilicorr.yaml --max-steps 10
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "command-line flags override it")
     p.add_argument("--stage", type=int, choices=(1, 2), required=True)
     p.add_argument("--data", type=Path, nargs="+", required=True,
-                   help="folders written by scripts/regenerate_data.py or scripts/text_data.py")
+                   help="answer folders (`dcoco-hf train ... --until answers` writes RUN/data); a folder listed "
+                        "twice is read twice")
     p.add_argument("--features", type=Path, default=None,
                    help="cache each folder's target features under FEATURES/<folder name> (built if missing)")
     p.add_argument("--output", type=Path, required=True)

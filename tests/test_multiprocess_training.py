@@ -21,8 +21,8 @@ SCRIPT = REPO / "scripts" / "train_drafter.py"
 
 
 def training_folders(root: Path, records: int = 16, new_tokens: int = 20) -> tuple[Path, Path]:
-    """A saved tiny Qwen3 target and a data folder of its own greedy answers (one shard, as regenerate_data.py
-    writes them). Returns (target folder, data folder)."""
+    """A saved tiny Qwen3 target and a data folder of its own greedy answers (one shard, as `dcoco-hf train`'s
+    answers phase writes them). Returns (target folder, data folder)."""
     target = make_target("qwen3")
     target.save_pretrained(root / "target")
     prompts = torch.randint(0, target.config.vocab_size, (records, 5), generator=torch.Generator().manual_seed(1))

@@ -328,11 +328,11 @@ def read_shard(path: str | Path) -> list[dict[str, torch.Tensor]]:
 
 
 def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
-    """All records of a regenerated data folder, in shard order."""
+    """All records of a data folder (the answers phase's shards), in shard order."""
     paths = shard_paths(data_dir)
     if not paths:
-        raise FileNotFoundError(f"No shard-* files in {data_dir}: write them with `dcoco-hf train` (or "
-                                "scripts/regenerate_data.py) first.")
+        raise FileNotFoundError(f"No shard-* files in {data_dir}: write them first with `dcoco-hf train --target "
+                                "MODEL --out RUN --until answers` (they land in RUN/data).")
     return [record for path in paths for record in read_shard(path)]
 
 
