@@ -44,19 +44,19 @@ def test_folder_is_complete_and_hub_ready():
 
 
 # A card's own first lines, in a fresh process that never imports dcoco_hf: AutoModel builds the folder's network,
-# which hands loading over to the installed package, so `.attach(target)` works. The target has the default target's
-# shapes (random weights: what matters is the class AutoModel returns and that speculation stays exact).
+# which hands loading over to the installed package, so `.attach(target)` works. The target has the card's target's
+# shapes (random weights and a narrow MLP: what matters is the class AutoModel returns and that speculation stays
+# exact).
 _CARD_FIRST_LINES = """
-import sys, torch
-from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
-folder = sys.argv[1]
+import json, sys, torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+folder, shape = sys.argv[1], json.loads(sys.argv[2])
 torch.manual_seed(0)
-target = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=28,
-                                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)).eval()
+target = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape)).eval()
 drafter = AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target, tune=False)
 assert type(drafter).__module__ == "dcoco_hf.runtime.drafter", type(drafter)
 assert type(drafter.corrector).__module__.startswith("dcoco_hf."), type(drafter.corrector)
-ids = torch.randint(0, 49152, (1, 8))
+ids = torch.randint(0, shape["vocab_size"], (1, 8))
 with torch.no_grad():
     plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     fast = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
@@ -64,24 +64,37 @@ with torch.no_grad():
 assert torch.equal(plain, fast), (plain, fast)
 print(drafter.config.corrector_type, drafter.generation_stats(fast).cycles)
 """
+_SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+_GEMMA3 = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=64, num_hidden_layers=18,
+               num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
+# Every drafter card, with the shape of the target it drafts for.
+TARGET_SHAPES = {CARD.name: _SMOLLM2, **{card.name: _SMOLLM2 for card in HEAD_CARDS}, "dcoco-gemma3-270m": _GEMMA3}
+FIRST_LINE_CARDS = [ROOT / "model_cards" / name for name in TARGET_SHAPES if (ROOT / "model_cards" / name).exists()]
 
 
-@pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
+def test_every_drafter_card_is_checked_by_its_first_lines():
+    cards = {path.parent.name for path in (ROOT / "model_cards").glob("*/config.json")}
+    assert cards == {card.name for card in FIRST_LINE_CARDS}, "add the card's target shape to TARGET_SHAPES"
+
+
+@pytest.mark.parametrize("card", FIRST_LINE_CARDS, ids=lambda p: p.name)
 def test_a_cards_first_line_attaches_without_importing_the_package(card):
     """`AutoModel.from_pretrained(folder, trust_remote_code=True).attach(target)` in a process that never imported
-    dcoco_hf (the package is installed): the DCOCO card and both head-only cards (LiLiCorr, DFlash2 selector)."""
+    dcoco_hf (the package is installed), on a target of the card's target's shape: every drafter card, head-only
+    ones (LiLiCorr, DFlash2 selector) included."""
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", _CARD_FIRST_LINES, str(card)], capture_output=True, text=True,
-                            cwd=card.parent)
+    result = subprocess.run([sys.executable, "-c", _CARD_FIRST_LINES, str(card), json.dumps(TARGET_SHAPES[card.name])],
+                            capture_output=True, text=True, cwd=card.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     corrector, cycles = result.stdout.split()[-2:]
     assert corrector == json.loads((card / "config.json").read_text()).get("corrector_type", "dcoco")
     assert int(cycles) > 0
 
 
-@pytest.mark.parametrize("card", [CARD, *HEAD_CARDS], ids=lambda p: p.name)
+@pytest.mark.parametrize("card", FIRST_LINE_CARDS, ids=lambda p: p.name)
 @pytest.mark.parametrize("name", CODE_FILES)
 def test_shipped_code_matches_the_package(card, name):
     package = Path(dcoco_hf.__file__).parent / "network" / name
