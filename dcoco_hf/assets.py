@@ -122,6 +122,8 @@ class KnownTarget:
     """Whether the tokenizer has a chat template (the build checks it survives; a base model has none)."""
     license: str = "other"
     """The model's licence as the Hub names it (what text it writes, and a drafter trained on that text, carry)."""
+    notice: str = ""
+    """A notice the model's terms require with every model derived from it (a drafter trained on its outputs is one)."""
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -153,6 +155,7 @@ TARGETS: dict[str, KnownTarget] = {
             notices=("NOTICE.md", "GEMMA_TERMS.html"),
             chat=False,
             license="gemma",
+            notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms",
         ),
     )
 }

@@ -363,7 +363,7 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
 
     from dcoco_hf.assets import known_target_built_at
     from dcoco_hf.cli.train import hub_target
-    from dcoco_hf.training.pipeline import TrainRun, model_card
+    from dcoco_hf.training.pipeline import TrainRun, model_card, write_licences
 
     monkeypatch.setenv("DCOCO_HF_CACHE", str(tmp_path / "cache"))
     built = tmp_path / "cache" / "gemma-3-270m"
@@ -379,6 +379,16 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
     assert 'AutoModelForCausalLM.from_pretrained("google/gemma-3-270m")' in card and str(built) not in card
     assert "base_model: google/gemma-3-270m" in card and "`dcoco-hf target gemma3-270m` builds" in card
     assert run.target_title == "google/gemma-3-270m" and "# DCOCO drafter for google/gemma-3-270m" in card
+    assert "license: gemma" in card
+    (built / "GEMMA_TERMS.html").write_text("<html>terms</html>")
+    (built / "NOTICE.md").write_text("upstream notice")
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    section = write_licences(run, folder)
+    required = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms."
+    assert (folder / "NOTICE").read_text() == required + "\n" and required in section
+    assert sorted(p.name for p in folder.iterdir()) == ["GEMMA_TERMS.html", "NOTICE", "NOTICE.md"]
+    assert "(`GEMMA_TERMS.html`, `NOTICE`, `NOTICE.md`)" in section
 
     plain = model_card(TrainRun(out=tmp_path / "run", target=str(tmp_path / "mine")), SimpleNamespace(config=config),
                        {}, 0, 100)

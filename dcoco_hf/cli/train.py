@@ -137,7 +137,9 @@ def hub_target(known: KnownTarget | None) -> HubTarget | None:
     """How the cards name a target built from PyPI (`dcoco-hf target NAME`); None for any other target."""
     from ..training.pipeline import HubTarget
 
-    return None if known is None else HubTarget(known.hub_id, f"dcoco-hf target {known.name}", known.license)
+    if known is None:
+        return None
+    return HubTarget(known.hub_id, f"dcoco-hf target {known.name}", known.license, known.notice)
 
 
 def plot_progress(out: Path) -> None:

