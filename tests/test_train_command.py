@@ -155,6 +155,34 @@ def test_train_runs_end_to_end_and_the_drafter_loads_with_automodel(folders, tmp
     assert again.code == 0 and state(out)["ran"][-1] == []  # nothing runs
 
 
+def test_a_gemma3_shaped_base_target_trains_end_to_end(tmp_path):
+    """A base model of Gemma 3's shape (sliding-window and full layers, tied embeddings scaled inside the embedding,
+    a vocabulary large next to its width, no chat template): its plain-text continuations train a drafter over a
+    draft vocabulary that loads, attaches and decodes exactly what the target decodes alone, across the window."""
+    from test_gemma3 import VOCAB as GEMMA_VOCAB
+    from test_gemma3 import WINDOW, tiny_gemma3
+
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(GEMMA_VOCAB - 2)]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    target = tiny_gemma3()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "prompts.json").write_text(json.dumps([" ".join(f"w{(7 * i + j) % 500}" for j in range(6))
+                                                       for i in range(12)]))
+    out = tmp_path / "run"
+    result = run_cli("train", "--target", tmp_path / "target", "--out", out, "--prompts", tmp_path / "prompts.json",
+                     "--steps", "3", "--stage2-steps", "2", "--draft-vocab", "256", *TINY_RUN)
+    assert result.code == 0, result.err[-2000:]
+    drafter = AutoModel.from_pretrained(out / "drafter", trust_remote_code=True).attach(target)
+    assert drafter.config.draft_vocab_size == 256
+    ids = torch.randint(2, GEMMA_VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(4))
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
+        expected.tolist()
+
+
 def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path):
     out = tmp_path / "run"
     argv = [str(a) for a in train_argv(folders, out, steps=150)] + ["--save-steps", "5"]
