@@ -218,6 +218,28 @@ def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path)
     assert (out / "drafter" / "model.safetensors").exists()
 
 
+def test_a_run_trains_on_another_runs_data_to_compare_drafter_shapes(folders, tmp_path):
+    """`--data-from RUN` trains another drafter shape on RUN's prompts, answers and features, never writing there;
+    a run that cannot serve (data unfinished, other features read) is refused before the target loads."""
+    source, other = tmp_path / "source", tmp_path / "other"
+    first = run_cli(*train_argv(folders, source), "--until", "answers")
+    assert first.code == 0, first.err[-2000:]
+    early = run_cli(*train_argv(folders, other), "--data-from", source)
+    assert early.code == 2 and "has not finished its features phase" in early.err
+    assert run_cli(*train_argv(folders, source), "--until", "features").code == 0
+    written = {path: path.stat().st_mtime_ns for path in source.rglob("*") if path.is_file()}
+    mismatch = run_cli(*train_argv(folders, other), "--data-from", source, "--target-layers-read", "2")
+    assert mismatch.code == 2 and "cached its features with --target-layers-read 5" in mismatch.err
+
+    result = run_cli(*train_argv(folders, other), "--data-from", source, "--block-size", "3", "--stage2-steps", "2")
+    assert result.code == 0, result.err[-2000:]
+    assert state(other)["ran"][-1] == ["stage1", "stage2", "final"]
+    assert not (other / "data").exists() and not (other / "features").exists()
+    assert {path: path.stat().st_mtime_ns for path in written} == written  # the source run is only read
+    assert json.loads((other / "drafter" / "config.json").read_text())["block_size"] == 3
+    assert f"--data-from {source}" in (other / "drafter" / "README.md").read_text()
+
+
 def test_the_dataset_card_counts_the_answers_written(tmp_path):
     """The run's data folder is a Hub dataset: its card, written with the prompts, gains the records' figures once
     the target has answered, from the shards themselves."""

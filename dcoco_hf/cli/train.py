@@ -93,6 +93,9 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
     p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and training (default 0)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in training (GPUs)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--data-from", type=Path, default=None, metavar="RUN",
+                   help="train on another run's prompts, answers and target features (same target and "
+                        "--target-layers-read): drafters of other shapes compared on the same data")
     p.add_argument("--until", choices=PHASES[:-1], default=None,
                    help="stop after this phase (e.g. `answers`: the data alone, to train elsewhere or look at first); "
                         "the same command without it goes on from there")

@@ -111,6 +111,9 @@ class TrainRun:
     correct_first_slot: bool = False
     context_bigrams: bool = False
     corpus_bigrams: bool = False
+    # Another run of the same target whose prompts, answers and target features this run trains on (None: its own):
+    # drafters of other shapes or options, compared on the very same data and held-out prompts.
+    data_from: Path | None = None
     # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
     evaluation: Sequence[str] = field(default=(), repr=False)
     # A target built from PyPI (`dcoco-hf target NAME`), which the cards name by its Hub id. None: a folder, Hub id or
@@ -122,18 +125,21 @@ class TrainRun:
         "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size",
         "layers", "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length",
         "save_steps", "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams",
-        "corpus_bigrams"})
+        "corpus_bigrams", "data_from"})
+    # The phases --data-from takes from the other run, and the options of this run they must agree with.
+    DATA_PHASES: ClassVar[tuple[str, ...]] = ("prompts", "answers", "features")
+    DATA_OPTIONS: ClassVar[tuple[str, ...]] = ("target_layers_read",)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)  # a string is fine too
 
     @property
     def data(self) -> Path:
-        return self.out / "data"
+        return Path(self.data_from or self.out) / "data"
 
     @property
     def features(self) -> Path:
-        return self.out / "features"
+        return Path(self.data_from or self.out) / "features"
 
     @property
     def license(self) -> str:
@@ -175,8 +181,16 @@ class RunState:
 
     @classmethod
     def open(cls, run: TrainRun) -> RunState:
-        """The state of `run.out`, new or resumed. Refuses a folder that holds another target's run, or files that
-        are no run at all, before any work."""
+        """The state of `run.out`, new or resumed, with the data phases of `run.data_from` counted as its own.
+        Refuses a folder that holds another target's run, files that are no run at all, or a --data-from run that
+        cannot serve this one, before any work."""
+        state = cls._open(run)
+        if run.data_from is not None:
+            borrow_data(run, state)
+        return state
+
+    @classmethod
+    def _open(cls, run: TrainRun) -> RunState:
         path = run.out / STATE_FILE
         if path.exists():
             state = cls(**json.loads(path.read_text()))
@@ -232,6 +246,30 @@ def train(
         if phase == until:
             break
     return run.out / "drafter" if "final" in state.finished else None
+
+
+def borrow_data(run: TrainRun, state: RunState) -> None:
+    """Count the data phases of `run.data_from` as this run's (it reads their folders, never writes them), after
+    checking that run: the same target, its data phases finished, the same features read. Raises RunFolderError
+    naming what differs."""
+    source = Path(run.data_from)
+    path = source / STATE_FILE
+    if not path.exists():
+        raise RunFolderError(f"--data-from {source}: no {STATE_FILE} there, so it is not a `dcoco-hf train` run")
+    other = RunState(**json.loads(path.read_text()))
+    if other.target != run.target:
+        raise RunFolderError(f"--data-from {source} is a run of another target ({other.target}), not {run.target}")
+    missing = [phase for phase in run.DATA_PHASES if phase not in other.finished]
+    if missing:
+        raise RunFolderError(f"--data-from {source} has not finished its {', '.join(missing)} phase(s): run it "
+                             "first (its own command with --until features)")
+    for option in run.DATA_OPTIONS:
+        if other.options.get(option) != getattr(run, option):
+            flag = "--" + option.replace("_", "-")
+            raise RunFolderError(f"--data-from {source} cached its features with {flag} "
+                                 f"{other.options.get(option)}, this run asks for {getattr(run, option)}: give the "
+                                 "same, or train without --data-from")
+    state.finished += [phase for phase in run.DATA_PHASES if phase not in state.finished]
 
 
 # ---------------------------------------------------------------------------------------------------------------
