@@ -176,6 +176,10 @@ def check_train_arguments(args: argparse.Namespace) -> None:
     if args.draft_vocab is not None and (args.draft_vocab < 0 or 0 < args.draft_vocab < args.top_k):
         raise CLIError(f"--draft-vocab {args.draft_vocab}: give at least --top-k ({args.top_k}) tokens, or 0 for "
                        "every token")
+    if args.max_new_tokens >= args.max_length:
+        raise CLIError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length "
+                       f"{args.max_length} (the tokens of a record training reads): give fewer new tokens or a longer "
+                       "--max-length")
     if args.block_size < 2:
         raise CLIError(f"--block-size {args.block_size}: a block is the anchor plus at least one drafted token")
     if args.hours is not None and args.hours <= 0:

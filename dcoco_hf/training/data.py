@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ..runtime.logs import log
 from ..runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
 
 CHAT_TOPICS = (
@@ -224,6 +225,7 @@ def regenerate(
     shard_size: int = RECORDS_PER_SHARD,
     max_shards: int | None = None,
     deadline: float | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Path:
     """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
 
@@ -232,20 +234,32 @@ def regenerate(
     SmolLM2's training prompts, and every row paid for it at every step. Resumable: shards already on disk are
     skipped, and `max_shards` (or `deadline`, a `time.time()` after which no new shard starts; each call writes at
     least one) stops early; a later call goes on with the same prompts, and refuses a folder whose shards answered
-    other prompts. The progress bar counts answers and the tokens/s they are written at.
+    other prompts. Prompts of more than `max_prompt_tokens` tokens are left out (`left_out.json` lists them): their
+    answers would not fit the records training reads, and one such prompt pads every row of its batch to its length,
+    which can exhaust memory. The progress bar counts answers and the tokens/s they are written at.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     encoded = [prompt_input_ids(tokenizer, p)[0] for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # stable: ties keep their order
-    prompts, encoded = [prompts[i] for i in order], [encoded[i] for i in order]
-    answered = out_dir / "prompts.json"
-    if shard_paths(out_dir) and answered.exists() and json.loads(answered.read_text()) != prompts:
-        raise ValueError(f"{out_dir} holds answers to other prompts, or to these in another order; delete its "
-                         "shard-* files (or answer into another folder) to answer these")
-    answered.write_text(json.dumps(prompts))
+    fits = [max_prompt_tokens is None or len(ids) <= max_prompt_tokens for ids in encoded]
+    kept, left_out = [i for i in order if fits[i]], [prompts[i] for i in order if not fits[i]]
+    prompts, encoded = [prompts[i] for i in kept], [encoded[i] for i in kept]
     shards = list(_batches(encoded, shard_size))[:max_shards]
     done = [shard_done(out_dir, index) for index in range(len(shards))]
+    answered = out_dir / "prompts.json"
+    if answered.exists() and any(done):
+        # Only the prompts of the shards already written must be the same (a later shard may be new).
+        before = json.loads(answered.read_text())
+        written = [i * shard_size + j for i, d in enumerate(done) if d for j in range(len(shards[i]))]
+        if any(i >= len(before) or before[i] != prompts[i] for i in written):
+            raise ValueError(f"{out_dir} holds answers to other prompts, or to these in another order; delete its "
+                             "shard-* files (or answer into another folder) to answer these")
+    answered.write_text(json.dumps(prompts))
+    if left_out:
+        (out_dir / "left_out.json").write_text(json.dumps(left_out))
+        log(f"{len(left_out)} prompt(s) of more than {max_prompt_tokens} tokens left out (listed in "
+            f"{out_dir / 'left_out.json'}): their answers would not fit the records training reads")
     progress = tqdm(total=sum(map(len, shards)), initial=sum(len(s) for s, d in zip(shards, done) if d),
                     desc="answers", unit="answer")
     start, tokens = time.time(), 0

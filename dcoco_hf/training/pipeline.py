@@ -366,8 +366,9 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     """The target answers the training prompts (greedy) into shards; with --hours it stops at its share, keeping
     the shards written so far."""
     prompts = json.loads((run.data / "prompts.json").read_text())
+    # A prompt is answered only if its whole answer fits the records the stages read (--max-length).
     regenerate(target, tokenizer, prompts, run.data, run.max_new_tokens, run.answer_batch_size,
-               deadline=run.deadline("answers"))
+               deadline=run.deadline("answers"), max_prompt_tokens=run.max_length - run.max_new_tokens)
     card = run.data / "README.md"
     if card.exists():  # the prompts' card (none for a --prompts file): add what was written, once
         records = load_shards(run.data)
