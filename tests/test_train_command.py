@@ -246,10 +246,11 @@ def test_the_dataset_card_counts_the_answers_written(tmp_path):
     from dcoco_hf.training.data import load_shards
     from dcoco_hf.training.pipeline import TrainRun, write_answers
 
-    run = TrainRun(out=tmp_path / "run", target="tiny", max_new_tokens=6, answer_batch_size=4)
+    run = TrainRun(out=tmp_path / "run", target="tiny", max_new_tokens=6, answer_batch_size=4, max_length=18)
     target, tokenizer = make_target("qwen3"), tiny_tokenizer()
     run.data.mkdir(parents=True)
-    (run.data / "prompts.json").write_text(json.dumps([f"w{i} w{i + 1}" for i in range(5)]))
+    too_long = " ".join(f"w{i}" for i in range(20))  # more than 18 - 6 tokens: its answer would not fit
+    (run.data / "prompts.json").write_text(json.dumps([f"w{i} w{i + 1}" for i in range(5)] + [too_long]))
     (run.data / "README.md").write_text("---\npretty_name: x\n---\n\n# the prompts' card\n")
     for _ in range(2):  # a resumed phase rewrites the section instead of adding a second one
         write_answers(run, target, tokenizer)
@@ -259,6 +260,7 @@ def test_the_dataset_card_counts_the_answers_written(tmp_path):
     written = sum(int(r["loss_mask"].sum()) for r in records)
     assert card.startswith("---\npretty_name: x\n---\n\n# the prompts' card\n") and card.count("## Records") == 1
     assert "| records | 5: one prompt each, answered greedily, up to 6 new tokens |" in card
+    assert "| left out | 1 prompt(s) of more than 12 tokens (`left_out.json`)" in card
     assert f"| tokens | {tokens:,} in all, {written:,} of them written by the target (`loss_mask`) |" in card
 
 
@@ -321,6 +323,7 @@ def encoder_decoder_target(root: Path) -> Path:
     ("no pad or eos", "neither a pad token nor an eos token"),
     ("no answers", "--answers 0: give at least 1 (with no answers there is nothing to train on)"),
     ("empty prompts", "the list is empty"),
+    ("no room for a prompt", "--max-new-tokens 640 leaves no room for a prompt in --max-length 640"),
     ("another target's run", "holds a training run of another target"),
     ("not a run", "holds no train_state.json"),
 ])
@@ -339,6 +342,8 @@ def test_bad_input_fails_at_once_with_one_line(folders, tmp_path, case, message)
     elif case == "empty prompts":
         (tmp_path / "empty.json").write_text("[]")
         extra = ["--prompts", tmp_path / "empty.json"]
+    elif case == "no room for a prompt":
+        extra = ["--max-new-tokens", "640"]
     elif case == "another target's run":
         out.mkdir()
         (out / "train_state.json").write_text(json.dumps({"target": "org/another-model", "finished": ["prompts"]}))

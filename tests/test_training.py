@@ -318,6 +318,26 @@ def test_regenerate_answers_shortest_first_and_refuses_a_folder_of_other_prompts
     regenerate(target, tokenizer, list(reversed(prompts)), tmp_path, max_new_tokens=2, batch_size=2, shard_size=2)
 
 
+def test_regenerate_leaves_out_prompts_whose_answers_cannot_fit_and_resumes_a_folder_written_without_the_cap(tmp_path):
+    """A prompt longer than `max_prompt_tokens` is left out (listed in left_out.json): one such prompt would pad its
+    whole batch to its length. A folder answered before the cap, whose written shards hold none of the long prompts,
+    goes on; only the written shards' prompts must match."""
+    from test_cli import tiny_tokenizer
+
+    from dcoco_hf.training.data import prompt_input_ids, regenerate
+
+    target, tokenizer = make_target("llama"), tiny_tokenizer()
+    tokenizer.pad_token = "<unk>"
+    prompts = ["w1", "w2 w3", "w4 w5", "w6 w7 w8", " ".join(f"w{i}" for i in range(9, 40))]
+    common = dict(max_new_tokens=2, batch_size=2, shard_size=2)
+    regenerate(target, tokenizer, prompts, tmp_path, max_shards=1, **common)  # written without a cap
+    longest = max(prompt_input_ids(tokenizer, p).shape[1] for p in prompts[:4])
+    regenerate(target, tokenizer, prompts, tmp_path, max_prompt_tokens=longest, **common)
+    assert json.loads((tmp_path / "left_out.json").read_text()) == prompts[4:]
+    assert json.loads((tmp_path / "prompts.json").read_text()) == prompts[:4]
+    assert len(load_shards(tmp_path)) == 4
+
+
 def test_exercise_prompt_keeps_signature_and_docstring_and_drops_the_body():
     from dcoco_hf.training.data import exercise_prompt
 

@@ -367,15 +367,19 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     the shards written so far."""
     prompts = json.loads((run.data / "prompts.json").read_text())
     # A prompt is answered only if its whole answer fits the records the stages read (--max-length).
+    longest = run.max_length - run.max_new_tokens
     regenerate(target, tokenizer, prompts, run.data, run.max_new_tokens, run.answer_batch_size,
-               deadline=run.deadline("answers"), max_prompt_tokens=run.max_length - run.max_new_tokens)
+               deadline=run.deadline("answers"), max_prompt_tokens=longest)
     card = run.data / "README.md"
     if card.exists():  # the prompts' card (none for a --prompts file): add what was written, once
         records = load_shards(run.data)
         tokens = sum(len(record["input_ids"]) for record in records)
         written = sum(int(record["loss_mask"].sum()) for record in records)
         text = card.read_text().split(RECORDS_HEADING)[0].rstrip("\n") + "\n"
-        card.write_text(text + records_section(len(records), tokens, written, run.max_new_tokens, RECORDS_PER_SHARD))
+        left_out = run.data / "left_out.json"
+        dropped = len(json.loads(left_out.read_text())) if left_out.exists() else 0
+        card.write_text(text + records_section(len(records), tokens, written, run.max_new_tokens, RECORDS_PER_SHARD,
+                                               dropped, longest))
 
 
 def cache_features(run: TrainRun, target: PreTrainedModel) -> None:

@@ -390,14 +390,17 @@ target itself.
 RECORDS_HEADING = "\n## Records\n"
 
 
-def records_section(records: int, tokens: int, answer_tokens: int, max_new_tokens: int, shard_size: int) -> str:
+def records_section(records: int, tokens: int, answer_tokens: int, max_new_tokens: int, shard_size: int,
+                    left_out: int = 0, max_prompt_tokens: int | None = None) -> str:
     """The dataset card's account of the written answers (`dataset_card` describes their prompts)."""
+    long = (f"| left out | {left_out:,} prompt(s) of more than {max_prompt_tokens} tokens (`left_out.json`): their "
+            "answers would not fit the records training reads |\n") if left_out else ""
     return f"""{RECORDS_HEADING}
 | | |
 | --- | --- |
 | records | {records:,}: one prompt each, answered greedily, up to {max_new_tokens} new tokens |
 | tokens | {tokens:,} in all, {answer_tokens:,} of them written by the target (`loss_mask`) |
-| files | `shard-*.safetensors`, {shard_size} records each (`input_ids`, `loss_mask`; no code runs on load) |
+{long}| files | `shard-*.safetensors`, {shard_size} records each (`input_ids`, `loss_mask`; no code runs on load) |
 
 ```python
 from dcoco_hf.training.data import load_shards
