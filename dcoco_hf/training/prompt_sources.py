@@ -334,12 +334,13 @@ def prepare_prompts(
     return kept, report
 
 
-def dataset_card(report: PromptReport, target: str, command: str, license: str = "other") -> str:
+def dataset_card(report: PromptReport, target: str, command: str, license: str = "other", provenance: str = "") -> str:
     """A dataset card (README.md, with the Hub's metadata) for a folder of the target's answers to these prompts:
     where the prompts come from and what was dropped. `records_section` adds the answers once they are written."""
     rows = "\n".join(f"| {source} | {count} |" for source, count in report.sources.items())
     sizes = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"))
     size = next((name for bound, name in sizes if report.kept < bound), "n>1M")
+    origin = f"\n{provenance}\n" if provenance else ""
     terms = "" if license != "other" else (
         f"\nThe answers are {target}'s output: its licence and terms apply to them.\n")
     return f"""---
@@ -364,7 +365,7 @@ Made by `{command}`. Each record is a prompt and the target's own greedy answer 
 mask over what the target wrote), what a DFlash/DCOCO drafter learns to predict. Prompts are mostly English; some
 ask for an answer in another language, and a base model's prose openings are partly French, Spanish, German, Italian
 or Portuguese.
-{terms}
+{terms}{origin}
 ## Sources
 
 | source | prompts |
