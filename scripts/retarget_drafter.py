@@ -37,7 +37,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", required=True, help="trained drafter folder (the one being retargeted)")
     p.add_argument("--new-target", required=True, help="the new verifier: folder or Hub id")
-    p.add_argument("--data", type=Path, required=True, help="the NEW target's answers (`dcoco-hf train ... --until answers`: RUN/data)")
+    p.add_argument("--data", type=Path, required=True,
+                   help="the NEW target's answers (`dcoco-hf train ... --until answers`: RUN/data)")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=-1)
