@@ -58,6 +58,14 @@ def test_a_draft_vocabulary_from_the_targets_answers_is_trained_and_saved(folder
     target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
     drafter = AutoModel.from_pretrained(drafter_folder, trust_remote_code=True).attach(target)
     assert drafter.draft_token_ids.numel() == 12
+    # the card's architecture table: what share of the answers' tokens those 12 hold, counted from the shards
+    from dcoco_hf.training.data import load_shards
+
+    written = torch.cat([r["input_ids"][r["loss_mask"].bool()].long() for r in load_shards(out / "data")])
+    share = torch.isin(written, drafter.draft_token_ids).float().mean()
+    card = (drafter_folder / "README.md").read_text()
+    assert f"| draft vocabulary | the 12 tokens the target wrote most in its answers ({100 * share:.2f}% of" in card
+    assert "| backbone | 1 decoder layer(s), hidden 32" in card
     ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
     assert target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter).tolist() == \
         target.generate(ids, max_new_tokens=12, do_sample=False).tolist()

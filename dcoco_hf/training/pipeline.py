@@ -495,9 +495,10 @@ def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     drafter = DCOCODrafter.from_pretrained(stage2, dtype=SAVE_DTYPE, block_tau=taus or None)
     folder = run.out / "drafter"
     drafter.save_pretrained(folder)
-    records = len(load_shards(run.data))
+    records = load_shards(run.data)
     seconds = json.loads((run.out / STATE_FILE).read_text()).get("seconds", {})
-    card = (model_card(run, drafter, taus, len(held_out), records) + write_licences(run, folder)
+    card = (model_card(run, drafter, taus, len(held_out), len(records))
+            + architecture_section(drafter, draft_coverage(drafter, records)) + write_licences(run, folder)
             + training_section(seconds, read_progress(run.out)))
     (folder / "README.md").write_text(card)
 
@@ -543,6 +544,50 @@ def licence_section(names: list[str], notice: str = "") -> str:
 This drafter was trained on the target's own outputs, so the target's terms apply to it as well: its licence and
 notice files are copied here ({files}).
 {quoted}"""
+
+
+def draft_coverage(drafter: DCOCODrafter, records: list[dict[str, torch.Tensor]]) -> float | None:
+    """The share of the target's answer tokens (`loss_mask`) inside the drafter's draft vocabulary (None: it drafts
+    from the whole vocabulary)."""
+    if drafter.draft_token_ids is None:
+        return None
+    inside = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
+    inside[drafter.draft_token_ids] = True
+    written = torch.cat([record["input_ids"][record["loss_mask"].bool()].long() for record in records])
+    return float(inside[written].float().mean())
+
+
+def architecture_section(drafter: DCOCODrafter, coverage: float | None) -> str:
+    """The model card's table of what the drafter is: its backbone, what it reads of the target, its block, draft
+    vocabulary and corrector, and what it borrows."""
+    cfg = drafter.config
+    corrector = sum(p.numel() for p in drafter.corrector.parameters())
+    backbone = sum(p.numel() for p in drafter.parameters()) - corrector
+    read = len(cfg.target_layer_ids)
+    vocabulary = "the whole vocabulary" if coverage is None else (
+        f"the {cfg.draft_vocab_size} tokens the target wrote most in its answers ({100 * coverage:.2f}% of their "
+        "tokens), end-of-turn ids included")
+    extensions = [name for name, on in (("`correct_first_slot` (anchor -> slot 1 scored too)", cfg.correct_first_slot),
+                                        ("`context_bigrams` (whether b already follows a in the text)",
+                                         cfg.context_bigrams),
+                                        (f"`corpus_bigrams` ({cfg.corpus_bigrams} pairs of the answers, counted)",
+                                         cfg.corpus_bigrams)) if on]
+    return f"""
+## Architecture
+
+| part | what |
+| --- | --- |
+| backbone | {cfg.num_hidden_layers} decoder layer(s), hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / \
+{cfg.num_key_value_heads} KV heads of {cfg.head_dim}, MLP {cfg.intermediate_size} ({backbone / 1e6:.2f}M parameters) |
+| context | the target's layers {list(cfg.target_layer_ids)}, concatenated ({read} x {cfg.hidden_size}) -> `fc` -> \
+RMSNorm, read as keys and values |
+| block | the anchor and up to {cfg.block_size - 1} mask slots (mask token id {cfg.mask_token_id}), drafted in one \
+forward |
+| draft vocabulary | {vocabulary} |
+| corrector | `{cfg.corrector_type}`, top-{cfg.top_k} candidates per slot ({corrector / 1e6:.2f}M parameters)\
+{"; " + ", ".join(extensions) if extensions else ""} |
+| borrowed | the target's embedding and LM head (never saved) |
+"""
 
 
 def training_section(seconds: dict[str, float], progress: list[dict[str, Any]]) -> str:
