@@ -252,7 +252,7 @@ def test_the_dataset_card_counts_the_answers_written(tmp_path):
     """The run's data folder is a Hub dataset: its card, written with the prompts, gains the records' figures once
     the target has answered, from the shards themselves."""
     from dcoco_hf.training.data import load_shards
-    from dcoco_hf.training.pipeline import TrainRun, write_answers
+    from dcoco_hf.training.pipeline import TrainRun, describe_answers, write_answers
 
     run = TrainRun(out=tmp_path / "run", target="tiny", max_new_tokens=6, answer_batch_size=4, max_length=18)
     target, tokenizer = make_target("qwen3"), tiny_tokenizer()
@@ -262,6 +262,7 @@ def test_the_dataset_card_counts_the_answers_written(tmp_path):
     (run.data / "README.md").write_text("---\npretty_name: x\n---\n\n# the prompts' card\n")
     for _ in range(2):  # a resumed phase rewrites the section instead of adding a second one
         write_answers(run, target, tokenizer)
+        describe_answers(run)
     card = (run.data / "README.md").read_text()
     records = load_shards(run.data)
     tokens = sum(len(r["input_ids"]) for r in records)
@@ -289,6 +290,33 @@ def test_until_stops_after_a_phase_and_the_same_command_without_it_goes_on(folde
     with pytest.raises(SystemExit) as refused:  # the last phase is no stop: it is the run's end
         run_cli(*train_argv(folders, tmp_path / "other"), "--until", "final")
     assert refused.value.code == 2 and not (tmp_path / "other").exists()
+
+
+def test_accelerate_launch_splits_the_answers_and_features_between_processes(folders, tmp_path):
+    """`accelerate launch -m dcoco_hf train` on two CPU processes (DDP over gloo): each answers and caches its half
+    of the shards, the stages train data-parallel, one process writes the drafter, and it decodes exactly."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([f"w{i % 40} w{(3 * i) % 40} w{(7 * i) % 40} w{i // 40}" for i in range(130)]))
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+        "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", "-m", "dcoco_hf",
+        "train", "--target", str(folders["target"]), "--out", str(out), "--prompts", str(prompts), "--steps", "3",
+        "--stage2-steps", "2", *TINY_RUN[:-2], "--max-new-tokens", "4",
+    ]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=quiet_env(), timeout=600,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert state(out)["finished"] == ["prompts", "answers", "features", "stage1", "stage2", "final"]
+    shards = sorted(path.name for path in (out / "data").glob("shard-*"))
+    assert shards == ["shard-00000.safetensors", "shard-00001.safetensors"]  # 128 answers, 64 a shard
+    assert len(list((out / "features" / "data").glob("shard-*.safetensors"))) == 2
+    assert result.stderr.count("64/64") >= 2 and "/128" not in result.stderr  # each process answered one shard
+    target = AutoModelForCausalLM.from_pretrained(folders["target"]).eval()
+    drafter = AutoModel.from_pretrained(out / "drafter", trust_remote_code=True).attach(target)
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6))
+    assert target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter).tolist() == \
+        target.generate(ids, max_new_tokens=10, do_sample=False).tolist()
 
 
 def test_recipe_options_are_overridden_by_flags(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -251,7 +252,10 @@ def load_training_target(name: str) -> tuple[PreTrainedModel, PreTrainedTokenize
         target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **keywords)
     except (OSError, ValueError) as error:
         raise CLIError(f"--target {name}: cannot load it as a causal LM ({first_line(error)})", exit_code=1) from None
-    target.eval().requires_grad_(False)
+    # This process's device: under `accelerate launch` or torchrun a GPU of its own (LOCAL_RANK), else the GPU or
+    # the CPU.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    target.eval().requires_grad_(False).to(device)
     try:
         DCOCODrafter.from_target(target, block_size=2, top_k=2)  # the checks of a drafter build, in a second
     except ValueError as error:

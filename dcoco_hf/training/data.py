@@ -27,6 +27,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -226,6 +227,7 @@ def regenerate(
     max_shards: int | None = None,
     deadline: float | None = None,
     max_prompt_tokens: int | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> Path:
     """Answer every prompt with the target (greedy, chat template) and store token ids + response mask in shards.
 
@@ -236,8 +238,11 @@ def regenerate(
     least one) stops early; a later call goes on with the same prompts, and refuses a folder whose shards answered
     other prompts. Prompts of more than `max_prompt_tokens` tokens are left out (`left_out.json` lists them): their
     answers would not fit the records training reads, and one such prompt pads every row of its batch to its length,
-    which can exhaust memory. The progress bar counts answers and the tokens/s they are written at.
+    which can exhaust memory. `part` (rank, processes): this process answers the shards whose index % processes ==
+    rank, and only rank 0 writes the prompt lists. The progress bar counts answers and the tokens/s they are written
+    at.
     """
+    rank, processes = part
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     encoded = [prompt_input_ids(tokenizer, p)[0] for p in prompts]
@@ -255,21 +260,25 @@ def regenerate(
         if any(i >= len(before) or before[i] != prompts[i] for i in written):
             raise ValueError(f"{out_dir} holds answers to other prompts, or to these in another order; delete its "
                              "shard-* files (or answer into another folder) to answer these")
-    answered.write_text(json.dumps(prompts))
-    if left_out:
-        (out_dir / "left_out.json").write_text(json.dumps(left_out))
-        log(f"{len(left_out)} prompt(s) of more than {max_prompt_tokens} tokens left out (listed in "
-            f"{out_dir / 'left_out.json'}): their answers would not fit the records training reads")
-    progress = tqdm(total=sum(map(len, shards)), initial=sum(len(s) for s, d in zip(shards, done) if d),
-                    desc="answers", unit="answer")
+    if rank == 0:
+        _write_json(answered, prompts)
+        if left_out:
+            _write_json(out_dir / "left_out.json", left_out)
+            log(f"{len(left_out)} prompt(s) of more than {max_prompt_tokens} tokens left out (listed in "
+                f"{out_dir / 'left_out.json'}): their answers would not fit the records training reads")
+    mine = [index % processes == rank for index in range(len(shards))]
+    progress = tqdm(total=sum(len(s) for s, m in zip(shards, mine) if m),
+                    initial=sum(len(s) for s, d, m in zip(shards, done, mine) if d and m), desc="answers",
+                    unit="answer")
     start, tokens = time.time(), 0
     for index, shard in enumerate(shards):
-        if done[index]:
+        if done[index] or not mine[index]:
             continue
         records = []
         for batch in _batches(shard, batch_size):
             ids, mask = left_pad(batch, padding_id(tokenizer))
-            out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+            out = target.generate(ids.to(target.device), attention_mask=mask.to(target.device),
+                                  max_new_tokens=max_new_tokens, do_sample=False).cpu()
             for prompt, row in zip(batch, out[:, ids.shape[1] :]):
                 response = _until_eos(row, target.generation_config.eos_token_id)
                 records.append(_record(prompt, response))
@@ -281,6 +290,13 @@ def regenerate(
             break
     progress.close()
     return out_dir
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Write `value` as JSON all at once (a temporary file renamed): other processes may read the file meanwhile."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.rename(path)
 
 
 def prompt_input_ids(tokenizer, prompt: str) -> torch.LongTensor:
@@ -409,6 +425,7 @@ def cache_target_features(
     batch_tokens: int = 4096,
     deadline: float | None = None,
     greedy_text: bool = False,
+    part: tuple[int, int] = (0, 1),
 ) -> Path:
     """Precompute the target context of every record (hidden states at `layer_ids`, argmax labels), shard by shard.
     `greedy_text`: the records are the target's own greedy answers (`regenerate`'s), so the labels are their next
@@ -418,13 +435,16 @@ def cache_target_features(
     States are stored in bf16 (the drafter's `fc` is robust to it; fp16 overflows there). Records of similar length
     share a right-padded forward of at most `batch_tokens` positions (twice the throughput of one record at a time on
     a 2-core CPU); causal attention keeps padding out of every real position. Resumable; with `deadline` (a
-    `time.time()`) no new shard starts after it.
+    `time.time()`) no new shard starts after it. `part` (rank, processes): this process caches the shards whose
+    index % processes == rank.
     """
     from .objective import target_context
 
+    rank, processes = part
+    device = next(target.parameters()).device
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    progress = tqdm(shard_paths(data_dir), desc="target features", unit="shard")
+    progress = tqdm(shard_paths(data_dir)[rank::processes], desc="target features", unit="shard")
     tokens, start = 0, time.time()
     for path in progress:
         if deadline is not None and time.time() >= deadline:
@@ -442,9 +462,10 @@ def cache_target_features(
             for row, record in enumerate(batch):
                 ids[row, : lengths[row]] = record["input_ids"]
                 mask[row, : lengths[row]] = 1
-            states, argmax = target_context(target, layer_ids, ids, mask, greedy_text=greedy_text)
+            states, argmax = target_context(target, layer_ids, ids.to(device), mask.to(device), greedy_text=greedy_text)
+            states, argmax = states.to("cpu", dtype), argmax.cpu()
             for row, record in enumerate(batch):
-                record["context_states"] = states[row, : lengths[row]].to(dtype)
+                record["context_states"] = states[row, : lengths[row]]
                 record["target_argmax"] = argmax[row, : lengths[row]].to(torch.int32)
         _fingerprint_file(destination).write_text(_fingerprint(path))
         save_shard(records, destination)

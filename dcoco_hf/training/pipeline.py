@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import shlex
 import shutil
@@ -61,6 +62,8 @@ from .retarget import held_out_stats, measure_tau
 from .stages import StageOptions, train_stage
 
 STATE_FILE = "train_state.json"
+# Phases one process runs while the others wait (the rest run in every process, each on its part).
+MAIN_PROCESS_PHASES = ("prompts", "final")
 PROGRESS_FILE = "progress.jsonl"
 # Above LARGE_VOCAB tokens (Gemma's 262,144, Qwen's 151,936) the drafter's LM head costs most of a draft: by default it
 # proposes from the DRAFT_VOCAB tokens the target writes most, the size drafters of such targets use.
@@ -228,31 +231,61 @@ def train(
     them); returns the drafter folder, or None when `until` stopped the run before it. Safe to kill and rerun."""
     if until is not None and until not in PHASES:
         raise ValueError(f"until={until!r}: name one of the phases {PHASES}")
+    # Under `accelerate launch` (or torchrun) every process runs this: the answers and features are split between
+    # them shard by shard, the stages are Trainer's data-parallel training, and one process writes the rest.
+    part = join_processes()
+    main = part[0] == 0
     state = RunState.open(run)
     state.command, state.options = list(run.command), run.options()
     state.ran.append([])
-    state.save(run.out)
+    if main:
+        state.save(run.out)
     steps: dict[str, Callable[[], None]] = {
         "prompts": lambda: write_prompts(run, target, tokenizer),
-        "answers": lambda: write_answers(run, target, tokenizer),
-        "features": lambda: cache_features(run, target),
+        "answers": lambda: write_answers(run, target, tokenizer, part),
+        "features": lambda: cache_features(run, target, part),
         "stage1": lambda: run_stage(run, target, tokenizer, 1),
         "stage2": lambda: run_stage(run, target, tokenizer, 2),
         "final": lambda: write_drafter(run, target, tokenizer),
     }
+    # What one process does once every process has finished the phase.
+    after: dict[str, Callable[[], None]] = {"answers": lambda: describe_answers(run)}
     for phase in PHASES:
         if phase in state.finished:
             continue
         state.ran[-1].append(phase)
-        state.save(run.out)
+        if main:
+            state.save(run.out)
         started = time.time()
-        steps[phase]()
+        if main or phase not in MAIN_PROCESS_PHASES:
+            steps[phase]()
+        wait_for_processes()
+        if main and phase in after:
+            after[phase]()
         state.seconds[phase] = state.seconds.get(phase, 0.0) + time.time() - started
         state.finished.append(phase)
-        state.save(run.out)
+        if main:
+            state.save(run.out)
+        wait_for_processes()
         if phase == until:
             break
     return run.out / "drafter" if "final" in state.finished else None
+
+
+def join_processes() -> tuple[int, int]:
+    """(rank, processes) of this run. Under `accelerate launch` or torchrun (WORLD_SIZE > 1) the processes join
+    their default group here (NCCL on GPUs, gloo on CPUs), which Trainer's data-parallel stages then use."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def wait_for_processes() -> None:
+    """Every process of the run reaches this point before any goes on (nothing to wait for alone)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def borrow_data(run: TrainRun, state: RunState) -> None:
@@ -370,14 +403,19 @@ def split_held_out(prompts: list[str], answers: int, held_out: int) -> tuple[lis
     return train_prompts, prompts[len(prompts) - kept :]
 
 
-def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The target answers the training prompts (greedy) into shards; with --hours it stops at its share, keeping
-    the shards written so far."""
+def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                  part: tuple[int, int] = (0, 1)) -> None:
+    """The target answers the training prompts (greedy) into shards, this process its `part` of them; with --hours
+    it stops at its share, keeping the shards written so far."""
     prompts = json.loads((run.data / "prompts.json").read_text())
     # A prompt is answered only if its whole answer fits the records the stages read (--max-length).
-    longest = run.max_length - run.max_new_tokens
     regenerate(target, tokenizer, prompts, run.data, run.max_new_tokens, run.answer_batch_size,
-               deadline=run.deadline("answers"), max_prompt_tokens=longest)
+               deadline=run.deadline("answers"), max_prompt_tokens=run.max_length - run.max_new_tokens, part=part)
+
+
+def describe_answers(run: TrainRun) -> None:
+    """Add the written records' figures to the data folder's dataset card (written with the prompts; none for a
+    --prompts file), replacing those of an earlier pass."""
     card = run.data / "README.md"
     if card.exists():  # the prompts' card (none for a --prompts file): add what was written, once
         records = load_shards(run.data)
@@ -387,10 +425,10 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
         left_out = run.data / "left_out.json"
         dropped = len(json.loads(left_out.read_text())) if left_out.exists() else 0
         card.write_text(text + records_section(len(records), tokens, written, run.max_new_tokens, RECORDS_PER_SHARD,
-                                               dropped, longest))
+                                               dropped, run.max_length - run.max_new_tokens))
 
 
-def cache_features(run: TrainRun, target: PreTrainedModel) -> None:
+def cache_features(run: TrainRun, target: PreTrainedModel, part: tuple[int, int] = (0, 1)) -> None:
     """One target forward per answer, cached: the hidden states of the layers the drafter will read (the layers
     `DCOCODrafter.from_target` picks for --target-layers-read) and the greedy labels, which for the target's own
     greedy answers are their next tokens (the forward stops at the deepest layer read). Each stage reads the records
@@ -410,7 +448,7 @@ def cache_features(run: TrainRun, target: PreTrainedModel) -> None:
     log(f"target features: {len(records)} answers, {tokens} tokens, layers {layer_ids}: about "
         f"{needed / 2**30:.1f} GiB in {run.features}")
     cache_target_features(target, layer_ids, run.data, run.features / run.data.name, deadline=run.deadline("features"),
-                          greedy_text=True)  # the answers phase wrote them greedily
+                          greedy_text=True, part=part)  # the answers phase wrote them greedily
 
 
 def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stage: int) -> None:
