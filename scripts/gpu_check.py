@@ -103,12 +103,12 @@ class Sizes:
     reps: int
 
 
-FULL = Sizes(budgets={"exactness": 120.0, "shipped": 60.0, "costs": 180.0}, archs=("llama", "qwen3"), fit={},
+FULL = Sizes(budgets={"exactness": 150.0, "shipped": 60.0, "costs": 180.0}, archs=("llama", "qwen3"), fit={},
              prompts=6, new_tokens=32, samples=20000, batch_rows=16, shipped_context=512, shipped_blocks=7,
              target_shape=QWEN3_8B, drafter_layers=5, batches=(1, 4, 16, 32),
              verify_rows=(2, 4, 5, 8, 9, 12, 16, 17, 33), context=512, reps=10)
-# Every code path of FULL on tiny models, in under 2 minutes on a 2-core CPU.
-SMOKE = Sizes(budgets={"exactness": 60.0, "shipped": 30.0, "costs": 30.0}, archs=("llama",),
+# Every code path of FULL on tiny models, in under 3 minutes on a 2-core CPU.
+SMOKE = Sizes(budgets={"exactness": 90.0, "shipped": 30.0, "costs": 30.0}, archs=("llama",),
               fit=dict(steps=60, prompts=16, new_tokens=24), prompts=2, new_tokens=16, samples=1500, batch_rows=3,
               shipped_context=16, shipped_blocks=1, target_shape=TINY, drafter_layers=1, batches=(1, 2),
               verify_rows=(2, 8, 9, 16, 17), context=32, reps=1)
@@ -437,6 +437,43 @@ def static_cache_check(device: torch.device, sizes: Sizes) -> dict:
     return {"outputs": len(prompts), "identical": identical, "ok": identical == len(prompts)}
 
 
+def train_check(device: torch.device) -> dict:
+    """`dcoco-hf train` end to end (prompts given, answers, features, both stages, the drafter folder) on a tiny base
+    model saved to disk, the target on the device the command picks (a GPU where there is one); the folder's drafter
+    then decodes exactly what the target decodes alone, on `device`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dcoco_hf.cli.main import main as command
+
+    vocab = 64
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(vocab - 2)]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    target = tiny_target("qwen3", torch.device("cpu"), torch.float32, "sdpa", vocab=vocab)
+    with tempfile.TemporaryDirectory() as root:
+        folder, out, prompts = Path(root) / "target", Path(root) / "run", Path(root) / "prompts.json"
+        target.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        prompts.write_text(json.dumps([" ".join(f"w{(5 * i + j) % 60}" for j in range(5)) for i in range(20)]))
+        code = command(["train", "--target", str(folder), "--out", str(out), "--prompts", str(prompts), "--steps", "3",
+                        "--stage2-steps", "2", "--held-out", "2", "--max-new-tokens", "8", "--batch-size", "2",
+                        "--block-size", "4", "--top-k", "4", "--num-anchors", "4", "--max-length", "48",
+                        "--tau-tokens", "8"])
+        drafter = DCOCODrafter.from_pretrained(out / "drafter")
+    target = target.to(device)
+    drafter = drafter.attach(target, tune=False)
+    equal = 0
+    for ids in random_prompts(4, vocab, device, seed=7):
+        plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        spec = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                               assistant_model=drafter)
+        equal += int(torch.equal(plain, spec))
+    trained_on = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"ok": code == 0 and equal == 4, "exit_code": code, "rows_equal": f"{equal}/4", "trained_on": trained_on}
+
+
 def exactness(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
     kinds, skipped = attention_kinds(device)
     greedy = []
@@ -455,6 +492,7 @@ def exactness(device: torch.device, sizes: Sizes, deadline: Deadline) -> dict:
         "batched_chains": lambda: batched_check(device, sizes, "dynamic", tree_budget=0),
         "compiled_drafting": lambda: compiled_drafting_check(device, sizes),
         "static_cache": lambda: static_cache_check(device, sizes),
+        "train": lambda: train_check(device),
     }
     result = {"greedy": greedy, "attention_skipped": skipped}
     for name, check in checks.items():

@@ -27,7 +27,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
         (dtype, attn) for dtype in ("float32", "bfloat16") for attn in ("sdpa", "eager")}
     assert all(case["status"] == "ok" and case["ok"] for case in exactness["greedy"])
     assert any(case["tau"] > 1 for case in exactness["greedy"])  # drafts were accepted: the acceptance path ran
-    for check in ("sampling", "stopping", "batched", "static_batched", "compiled_drafting", "static_cache"):
+    for check in ("sampling", "stopping", "batched", "static_batched", "compiled_drafting", "static_cache", "train"):
         # transformers before 5.24 refuses a static cache in assisted generation: skipped there, with the reason
         status = "ok" if check != "static_cache" or assisted_static_cache() else "skipped"
         assert exactness[check]["status"] == status and exactness[check]["ok"], (check, exactness[check])
