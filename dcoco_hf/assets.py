@@ -155,7 +155,7 @@ TARGETS: dict[str, KnownTarget] = {
             notices=("NOTICE.md", "GEMMA_TERMS.html"),
             chat=False,
             license="gemma",
-            notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms",
+            notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms.",
         ),
     )
 }

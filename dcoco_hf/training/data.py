@@ -261,9 +261,9 @@ def regenerate(
             raise ValueError(f"{out_dir} holds answers to other prompts, or to these in another order; delete its "
                              "shard-* files (or answer into another folder) to answer these")
     if rank == 0:
-        _write_json(answered, prompts)
+        write_json(answered, prompts)
         if left_out:
-            _write_json(out_dir / "left_out.json", left_out)
+            write_json(out_dir / "left_out.json", left_out)
             log(f"{len(left_out)} prompt(s) of more than {max_prompt_tokens} tokens left out (listed in "
                 f"{out_dir / 'left_out.json'}): their answers would not fit the records training reads")
     mine = [index % processes == rank for index in range(len(shards))]
@@ -292,10 +292,11 @@ def regenerate(
     return out_dir
 
 
-def _write_json(path: Path, value: Any) -> None:
-    """Write `value` as JSON all at once (a temporary file renamed): other processes may read the file meanwhile."""
+def write_json(path: Path, value: Any, indent: int | None = None) -> None:
+    """Write `value` as JSON all at once (a temporary file renamed): a kill leaves the old file whole, and other
+    processes may read it meanwhile."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
+    tmp.write_text(json.dumps(value, indent=indent))
     tmp.rename(path)
 
 
@@ -366,14 +367,20 @@ def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
     return [record for path in paths for record in read_shard(path)]
 
 
+def learned_token_counts(records: list[dict[str, torch.Tensor]], vocab_size: int) -> torch.LongTensor:
+    """[V]: how often each token occurs in the records' learned spans (`loss_mask`: what the target wrote)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for record in records:
+        counts += torch.bincount(record["input_ids"][record["loss_mask"].bool()].long(), minlength=vocab_size)
+    return counts
+
+
 def draft_vocabulary(
     records: list[dict[str, torch.Tensor]], vocab_size: int, size: int, always: list[int] = ()
 ) -> tuple[torch.LongTensor, float]:
     """The `size` tokens written most often in the records' learned spans (`loss_mask`), plus `always` (end-of-turn
     ids, which are rare but end every answer); and the share of those spans' tokens the result covers."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for record in records:
-        counts += torch.bincount(record["input_ids"][record["loss_mask"].bool()].long(), minlength=vocab_size)
+    counts = learned_token_counts(records, vocab_size)
     if counts.sum() == 0:
         raise ValueError("The records have no learned tokens (loss_mask is empty everywhere); pass real training data.")
     keep = torch.zeros(vocab_size, dtype=torch.bool)

@@ -40,11 +40,13 @@ from ..runtime.prompts import padding_id
 from .data import (
     RECORDS_PER_SHARD,
     cache_target_features,
+    learned_token_counts,
     load_shards,
     prompt_input_ids,
     regenerate,
     self_instruct_exercises,
     self_instruct_prompts,
+    write_json,
 )
 from .phases import PHASES, TIME_SHARES
 from .prompt_sources import (
@@ -152,6 +154,11 @@ class TrainRun:
         return Path(self.data_from or self.out) / "features"
 
     @property
+    def longest_prompt(self) -> int:
+        """The most tokens of a prompt the answers phase answers: its whole answer must fit --max-length."""
+        return self.max_length - self.max_new_tokens
+
+    @property
     def license(self) -> str:
         """The licence the cards declare: the known target's (its text, and a drafter trained on it, carry it), else
         "other" (the card says the target's terms apply)."""
@@ -219,9 +226,7 @@ class RunState:
 
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.rename(out / STATE_FILE)
+        write_json(out / STATE_FILE, asdict(self), indent=2)
 
 
 def train(
@@ -266,7 +271,6 @@ def train(
         state.finished.append(phase)
         if main:
             state.save(run.out)
-        wait_for_processes()
         if phase == until:
             break
     return run.out / "drafter" if "final" in state.finished else None
@@ -408,16 +412,15 @@ def write_answers(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     """The target answers the training prompts (greedy) into shards, this process its `part` of them; with --hours
     it stops at its share, keeping the shards written so far."""
     prompts = json.loads((run.data / "prompts.json").read_text())
-    # A prompt is answered only if its whole answer fits the records the stages read (--max-length).
     regenerate(target, tokenizer, prompts, run.data, run.max_new_tokens, run.answer_batch_size,
-               deadline=run.deadline("answers"), max_prompt_tokens=run.max_length - run.max_new_tokens, part=part)
+               deadline=run.deadline("answers"), max_prompt_tokens=run.longest_prompt, part=part)
 
 
 def describe_answers(run: TrainRun) -> None:
     """Add the written records' figures to the data folder's dataset card (written with the prompts; none for a
     --prompts file), replacing those of an earlier pass."""
     card = run.data / "README.md"
-    if card.exists():  # the prompts' card (none for a --prompts file): add what was written, once
+    if card.exists():
         records = load_shards(run.data)
         tokens = sum(len(record["input_ids"]) for record in records)
         written = sum(int(record["loss_mask"].sum()) for record in records)
@@ -425,7 +428,7 @@ def describe_answers(run: TrainRun) -> None:
         left_out = run.data / "left_out.json"
         dropped = len(json.loads(left_out.read_text())) if left_out.exists() else 0
         card.write_text(text + records_section(len(records), tokens, written, run.max_new_tokens, RECORDS_PER_SHARD,
-                                               dropped, run.max_length - run.max_new_tokens))
+                                               dropped, run.longest_prompt))
 
 
 def cache_features(run: TrainRun, target: PreTrainedModel, part: tuple[int, int] = (0, 1)) -> None:
@@ -551,7 +554,7 @@ def write_licences(run: TrainRun, folder: Path) -> str:
     names = copy_licence_files(run.target, folder)
     notice = run.hub_target.notice if run.hub_target is not None else ""
     if notice:
-        (folder / NOTICE_FILE).write_text(notice.rstrip(".") + ".\n")
+        (folder / NOTICE_FILE).write_text(notice + "\n")
         names = sorted({*names, NOTICE_FILE})
     return licence_section(names, notice)
 
@@ -575,7 +578,7 @@ def licence_section(names: list[str], notice: str = "") -> str:
     if not names:
         return ""
     files = ", ".join(f"`{name}`" for name in names)
-    quoted = f"\n{notice.rstrip('.')}.\n" if notice else ""
+    quoted = f"\n{notice}\n" if notice else ""
     return f"""
 ## Licence
 
@@ -589,10 +592,8 @@ def draft_coverage(drafter: DCOCODrafter, records: list[dict[str, torch.Tensor]]
     from the whole vocabulary)."""
     if drafter.draft_token_ids is None:
         return None
-    inside = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
-    inside[drafter.draft_token_ids] = True
-    written = torch.cat([record["input_ids"][record["loss_mask"].bool()].long() for record in records])
-    return float(inside[written].float().mean())
+    counts = learned_token_counts(records, drafter.config.vocab_size)
+    return float(counts[drafter.draft_token_ids].sum() / counts.sum())
 
 
 def architecture_section(drafter: DCOCODrafter, coverage: float | None) -> str:
