@@ -209,6 +209,8 @@ def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path)
         process.wait()
     killed = state(out)
     assert killed["finished"] == ["prompts", "answers", "features"]
+    assert list(killed["running"]) == ["stage1"]
+    checkpoint = max(path.stat().st_mtime for path in (out / "stage1").rglob("*") if path.is_file())
     shards = {path: path.stat().st_mtime_ns for path in (out / "data").glob("shard-*")}
     shards.update({path: path.stat().st_mtime_ns for path in (out / "features").rglob("shard-*")})
     assert len(shards) >= 2
@@ -219,6 +221,9 @@ def test_a_killed_run_resumes_without_redoing_finished_phases(folders, tmp_path)
     resumed = state(out)
     assert resumed["finished"] == ["prompts", "answers", "features", "stage1", "stage2", "final"]
     assert resumed["ran"][-1] == ["stage1", "stage2", "final"]
+    # the killed invocation's time in stage 1, up to its last checkpoint, is counted with the resumed one's
+    assert resumed["seconds"]["stage1"] >= checkpoint - killed["running"]["stage1"] > 0
+    assert resumed["running"] == {}
     assert f"stage 1: resuming from {out / 'stage1' / 'checkpoint-'}" in result.err  # not from step 0
     # neither the answers nor their target features were written again
     assert {path: path.stat().st_mtime_ns for path in shards} == shards

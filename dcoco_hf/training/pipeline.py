@@ -195,6 +195,8 @@ class RunState:
     finished: list[str] = field(default_factory=list)
     ran: list[list[str]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time each phase took, resumed runs summed
+    # The phase under way and when it started: a killed invocation's time on it still counts (`count_killed_time`).
+    running: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def open(cls, run: TrainRun) -> RunState:
@@ -228,6 +230,14 @@ class RunState:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / STATE_FILE, asdict(self), indent=2)
 
+    def count_killed_time(self, out: Path) -> None:
+        """Add to `seconds` the time a killed invocation spent on its phase, from its start to the last file it
+        wrote under `out` (what it did after that was lost, and is done again)."""
+        for phase, since in self.running.items():
+            written = (path.stat().st_mtime for path in out.rglob("*") if path.is_file() and path.name != STATE_FILE)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, max(written, default=since) - since)
+        self.running = {}
+
 
 def train(
     run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, until: str | None = None
@@ -242,6 +252,7 @@ def train(
     main = part[0] == 0
     state = RunState.open(run)
     state.command, state.options = list(run.command), run.options()
+    state.count_killed_time(run.out)
     state.ran.append([])
     if main:
         state.save(run.out)
@@ -258,16 +269,18 @@ def train(
     for phase in PHASES:
         if phase in state.finished:
             continue
+        started = time.time()
         state.ran[-1].append(phase)
+        state.running = {phase: started}
         if main:
             state.save(run.out)
-        started = time.time()
         if main or phase not in MAIN_PROCESS_PHASES:
             steps[phase]()
         wait_for_processes()
         if main and phase in after:
             after[phase]()
         state.seconds[phase] = state.seconds.get(phase, 0.0) + time.time() - started
+        state.running = {}
         state.finished.append(phase)
         if main:
             state.save(run.out)
