@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.cli.common import parse_with_recipe, recipe_argv
 from dcoco_hf.network.correctors import CORRECTOR_TYPES
-from dcoco_hf.training.losses import PAIR_LOSSES, SLOT_WEIGHTINGS
+from dcoco_hf.training.losses import PAIR_LOSSES
+from dcoco_hf.training.phases import SLOT_WEIGHTINGS
 from dcoco_hf.training.stages import NEW_DRAFTER, StageOptions, train_stage
 
 __all__ = ["build_parser", "main", "parse_args", "recipe_argv"]  # recipe_argv: what a recipe file stands for

@@ -244,8 +244,12 @@ def test_a_run_trains_on_another_runs_data_to_compare_drafter_shapes(folders, tm
     mismatch = run_cli(*train_argv(folders, other), "--data-from", source, "--target-layers-read", "2")
     assert mismatch.code == 2 and "cached its features with --target-layers-read 5" in mismatch.err
 
-    result = run_cli(*train_argv(folders, other), "--data-from", source, "--block-size", "3", "--stage2-steps", "2")
+    result = run_cli(*train_argv(folders, other), "--data-from", source, "--block-size", "3", "--stage2-steps", "2",
+                     "--slot-weighting", "awl")
     assert result.code == 0, result.err[-2000:]
+    for stage in ("stage1", "stage2"):  # DScout's loss weights, trained by both stages
+        summary = json.loads((other / stage / "final" / "training_summary.json").read_text())
+        assert summary["args"]["slot_weighting"] == "awl"
     assert state(other)["ran"][-1] == ["stage1", "stage2", "final"]
     assert not (other / "data").exists() and not (other / "features").exists()
     assert {path: path.stat().st_mtime_ns for path in written} == written  # the source run is only read

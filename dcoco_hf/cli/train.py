@@ -26,7 +26,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from ..assets import SUITES, TARGETS, KnownTarget, known_target_built_at, load_prompts_file, suite_prompts
 from ..runtime.drafter import DCOCODrafter
 from ..runtime.logs import log
-from ..training.phases import PHASES, TIME_SHARES
+from ..training.phases import PHASES, SLOT_WEIGHTINGS, TIME_SHARES
 from .common import CLIError, check_model_path, first_line, parse_with_recipe, resolve_target
 from .plots import require_matplotlib, write_training_plot
 
@@ -83,6 +83,9 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="propose from the N tokens the target writes most in its answers (0: every token; default: "
                    "every token up to a 65,536-token vocabulary, else 32,768)")
+    p.add_argument("--slot-weighting", choices=SLOT_WEIGHTINGS, default="decay",
+                   help="the slot loss's weights: decay, exp(-(k-1)/gamma) (DFlash's, default); awl, each slot by the "
+                   "probability that every earlier slot is accepted (DScout's)")
     p.add_argument("--correct-first-slot", action="store_true",
                    help="stage 2: the corrector also re-selects slot 1, scoring anchor -> slot 1 transitions")
     p.add_argument("--context-bigrams", action="store_true",

@@ -143,9 +143,6 @@ def dflash_loss(
     return (ce * weights).sum() / weights.sum().clamp(min=1e-6)
 
 
-SLOT_WEIGHTINGS = ("decay", "awl")
-
-
 def awl_slot_weights(label_probs: torch.Tensor, labelled: torch.BoolTensor) -> torch.Tensor:
     """DScout's acceptance weights: w_k = stop-grad(prod_{j<k} alpha_j), alpha_j the probability that slot j is
     accepted, for label_probs / labelled [..., S] (slot axis last) -> [..., S].

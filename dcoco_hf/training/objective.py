@@ -12,7 +12,6 @@ import torch
 
 from ..runtime.tap import TargetTap, decoder_layers
 from .losses import (
-    SLOT_WEIGHTINGS,
     awl_slot_weights,
     candidate_index,
     default_gamma,
@@ -25,6 +24,7 @@ from .losses import (
     sample_anchors,
     transition_labels,
 )
+from .phases import SLOT_WEIGHTINGS
 
 
 @dataclass

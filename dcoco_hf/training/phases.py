@@ -7,5 +7,7 @@ PHASES = ("prompts", "answers", "features", "stage1", "stage2", "final")
 # --hours: the share of the wall-clock budget each long phase may use, from when it (re)starts (features a shard at
 # a time: what is left is cached when stage 1 starts).
 TIME_SHARES = {"answers": 0.45, "features": 0.1, "stage1": 0.3, "stage2": 0.15}
+# The slot loss's weightings (`losses.awl_slot_weights`): DFlash's exp(-(k-1)/gamma) decay, DScout's AWL.
+SLOT_WEIGHTINGS = ("decay", "awl")
 
-__all__ = ["PHASES", "TIME_SHARES"]
+__all__ = ["PHASES", "SLOT_WEIGHTINGS", "TIME_SHARES"]

@@ -119,6 +119,7 @@ class TrainRun:
     bf16: bool = False
     tau_tokens: int = 64
     draft_vocab: int | None = None  # None: `auto_draft_vocab` of the target's vocabulary; 0: every token
+    slot_weighting: str = "decay"  # both stages' slot loss weights (`losses.SLOT_WEIGHTINGS`)
     # stage 2: the corrector's extensions (`stages.StageOptions`; the shipped SmolLM2 drafter has all three)
     correct_first_slot: bool = False
     context_bigrams: bool = False
@@ -136,8 +137,8 @@ class TrainRun:
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size",
         "layers", "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length",
-        "save_steps", "seed", "bf16", "tau_tokens", "draft_vocab", "correct_first_slot", "context_bigrams",
-        "corpus_bigrams", "data_from"})
+        "save_steps", "seed", "bf16", "tau_tokens", "draft_vocab", "slot_weighting", "correct_first_slot",
+        "context_bigrams", "corpus_bigrams", "data_from"})
     # The phases --data-from takes from the other run, and the options of this run they must agree with.
     DATA_PHASES: ClassVar[tuple[str, ...]] = ("prompts", "answers", "features")
     DATA_OPTIONS: ClassVar[tuple[str, ...]] = ("target_layers_read",)
@@ -480,7 +481,7 @@ def run_stage(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedToken
     options = StageOptions(
         stage=stage, data=[run.data], features=run.features, output=run.out / f"stage{stage}",
         max_steps=run.stage2_steps if stage == 2 and run.stage2_steps is not None else run.steps,
-        lr=run.lr,
+        lr=run.lr, slot_weighting=run.slot_weighting,
         batch_size=run.batch_size, num_anchors=run.num_anchors, max_length=run.max_length, bf16=run.bf16,
         save_steps=run.save_steps, seed=run.seed,
         max_minutes=None if deadline is None else max(deadline - time.time(), 1.0) / 60, **shape,  # > 0: a cap

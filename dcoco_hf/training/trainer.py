@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .losses import SLOT_WEIGHTINGS, pair_loss_fn
+from .losses import pair_loss_fn
 from .objective import drafter_loss, target_context
+from .phases import SLOT_WEIGHTINGS
 
 
 class DrafterTrainingModel(nn.Module):
