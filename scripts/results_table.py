@@ -317,6 +317,33 @@ def split_table() -> str:
     return "\n".join([*lines, "", caption])
 
 
+CHOICES_RUN = "training_choices.json"
+TRAINING_DOC = ROOT / "docs" / "training.md"
+
+
+def choices_table() -> str:
+    """docs/training.md's table of the shipped recipe's choices (`scripts/compare_runs.py`): each run on the same
+    answers and held-out prompts, named by the options where it differs from the reference, with its held-out tau at
+    every checkpoint step the runs share and its slots' chain acceptance at the last."""
+    report = _load(CHOICES_RUN)
+    if report is None:
+        return ""
+    steps, last = report["steps"], report["steps"][-1]
+    lines = ["| run | differs from the reference in | " + " | ".join(f"tau at {s}" for s in steps) +
+             f" | slots 1-3 accepted at {last} |", "|" + " --- |" * (len(steps) + 3)]
+    commands = []
+    for run in report["runs"]:
+        at = {line["step"]: line for line in run["progress"]}
+        differs = ", ".join(f"`{k}` {v}" for k, v in run["differs"].items()) or "(reference)"
+        accepted = " / ".join("-" if a is None else f"{a:.2f}" for a in at[last]["chain_accept"][:3])
+        lines.append(f"| {run['run']} | {differs} | " + " | ".join(f"{at[s]['tau']:.3f}" for s in steps) +
+                     f" | {accepted} |")
+        commands.append(f"`{' '.join(run['command'])}`")
+    caption = (f"Stage {report['stage']}, whole blocks, greedy. The runs: " + "; ".join(commands) +
+               f". Table: `{' '.join(report['command_line'])}`.")
+    return "\n".join([*lines, "", caption])
+
+
 SECTIONS = {"bench": bench_table, "sampling": sampling_table, "split": split_table}  # docs/results.md's others
 PROPOSAL_DOC = ROOT / "docs" / "proposal.md"
 
@@ -341,6 +368,8 @@ def write() -> None:
         replace_between(RESULTS_DOC, render(), *section_marks(name))
     replace_between(PROPOSAL_DOC, proposal_table(), *section_marks("proposal"))
     replace_between(PROPOSAL_DOC, schedule_table(), *section_marks("schedule"))
+    if _load(CHOICES_RUN) is not None:
+        replace_between(TRAINING_DOC, choices_table(), *section_marks("choices"))
 
 
 def replace_between(doc: Path, rendered: str, start: str = START, end: str = END) -> None:
