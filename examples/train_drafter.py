@@ -24,7 +24,8 @@ from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.training import measure_tau
 from dcoco_hf.training.data import prompt_input_ids
-from dcoco_hf.training.pipeline import TrainRun, train
+from dcoco_hf.training.pipeline import train
+from dcoco_hf.training.run import TrainRun
 
 
 def main(argv: list[str] | None = None) -> dict:

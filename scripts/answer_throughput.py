@@ -26,7 +26,7 @@ import torch
 
 from dcoco_hf.assets import load_default_target
 from dcoco_hf.training.data import load_shards, prompt_input_ids, regenerate
-from dcoco_hf.training.pipeline import TrainRun
+from dcoco_hf.training.run import TrainRun
 from dcoco_hf.training.prompt_sources import library_code_prompts, task_prompts
 
 SETTINGS = {"regenerate_data.py": 32, "dcoco-hf train": TrainRun.answer_batch_size}  # prompts per generate() call

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dcoco_hf.training.pipeline import STATE_FILE, read_progress
+from dcoco_hf.training.run import STATE_FILE, read_progress
 
 # Options that say where a run's files are or how it was paced, not what drafter it trains.
 NOT_A_CHOICE = {"out", "data_from", "until", "hours", "steps", "stage2_steps", "save_steps", "threads", "recipe"}

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dcoco_hf.training.cards import dataset_card
 from dcoco_hf.training.prompt_sources import (
     OVERLAP_WORDS,
-    dataset_card,
     documentation_openings,
     library_code_openings,
     library_code_prompts,

@@ -261,7 +261,8 @@ def test_the_dataset_card_counts_the_answers_written(tmp_path):
     """The run's data folder is a Hub dataset: its card, written with the prompts, gains the records' figures once
     the target has answered, from the shards themselves."""
     from dcoco_hf.training.data import load_shards
-    from dcoco_hf.training.pipeline import TrainRun, describe_answers, write_answers
+    from dcoco_hf.training.pipeline import describe_answers, write_answers
+    from dcoco_hf.training.run import TrainRun
 
     run = TrainRun(out=tmp_path / "run", target="tiny", max_new_tokens=6, answer_batch_size=4, max_length=18)
     target, tokenizer = make_target("qwen3"), tiny_tokenizer()
@@ -414,7 +415,8 @@ def test_a_target_without_chat_template_answers_plain_text_prompts(tmp_path):
     self-written questions and exercises need a chat turn), given to the target as plain text, with their dataset
     card."""
     from dcoco_hf.training.data import prompt_input_ids
-    from dcoco_hf.training.pipeline import TrainRun, source_prompts
+    from dcoco_hf.training.pipeline import source_prompts
+    from dcoco_hf.training.run import TrainRun
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = None
@@ -431,7 +433,8 @@ def test_a_target_without_chat_template_answers_plain_text_prompts(tmp_path):
 
 
 def test_hours_split_the_budget_across_the_long_phases(tmp_path):
-    from dcoco_hf.training.pipeline import TIME_SHARES, TrainRun
+    from dcoco_hf.training.phases import TIME_SHARES
+    from dcoco_hf.training.run import TrainRun
 
     assert sum(TIME_SHARES.values()) == pytest.approx(1.0)
     run = TrainRun(out=tmp_path, target="t", hours=2.0)
@@ -463,7 +466,8 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
 
     from dcoco_hf.assets import known_target_built_at
     from dcoco_hf.cli.train import hub_target
-    from dcoco_hf.training.pipeline import TrainRun, model_card, write_licences
+    from dcoco_hf.training.cards import model_card, write_licences
+    from dcoco_hf.training.run import TrainRun
 
     monkeypatch.setenv("DCOCO_HF_CACHE", str(tmp_path / "cache"))
     built = tmp_path / "cache" / "gemma-3-270m"

@@ -31,7 +31,7 @@ from .common import CLIError, check_model_path, first_line, parse_with_recipe, r
 from .plots import require_matplotlib, write_training_plot
 
 if TYPE_CHECKING:  # the training machinery is imported when a run starts (see cmd_train)
-    from ..training.pipeline import HubTarget
+    from ..training.run import HubTarget
 
 # The held-out prompt suites of a source checkout (scripts/prompts/*.jsonl): reported on, so never trained on.
 HELD_OUT_SUITES = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
@@ -108,7 +108,8 @@ def add_train_parser(commands: argparse._SubParsersAction, common: argparse.Argu
 
 def cmd_train(args: argparse.Namespace) -> int:
     # Imported here: the training machinery (transformers.Trainer, peft) costs every other command a second to start.
-    from ..training.pipeline import RunFolderError, RunState, TrainRun, train
+    from ..training.pipeline import train
+    from ..training.run import RunFolderError, RunState, TrainRun
 
     parser = args.train_parser
     argv = list(args.argv[args.argv.index("train") + 1 :])
@@ -142,7 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def hub_target(known: KnownTarget | None) -> HubTarget | None:
     """How the cards name a target built from PyPI (`dcoco-hf target NAME`); None for any other target."""
-    from ..training.pipeline import HubTarget
+    from ..training.run import HubTarget
 
     if known is None:
         return None
@@ -151,7 +152,7 @@ def hub_target(known: KnownTarget | None) -> HubTarget | None:
 
 def plot_progress(out: Path) -> None:
     """`<out>/progress.png` from the checkpoints' held-out measurements, where matplotlib is installed."""
-    from ..training.pipeline import read_progress
+    from ..training.run import read_progress
 
     progress = read_progress(out)
     if not progress:

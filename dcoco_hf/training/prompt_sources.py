@@ -13,7 +13,7 @@ with the package or is written by the target itself (`data.self_instruct_prompts
 
 `prepare_prompts` deduplicates them (case- and whitespace-blind) and drops every prompt that shares a run of
 `OVERLAP_WORDS` words with an evaluation prompt, or names a function an evaluation prompt defines, and reports what
-it dropped; `dataset_card` writes that report down.
+it dropped; `cards.dataset_card` writes that report down.
 """
 
 from __future__ import annotations
@@ -334,83 +334,5 @@ def prepare_prompts(
     return kept, report
 
 
-def dataset_card(report: PromptReport, target: str, command: str, license: str = "other", provenance: str = "") -> str:
-    """A dataset card (README.md, with the Hub's metadata) for a folder of the target's answers to these prompts:
-    where the prompts come from and what was dropped. `records_section` adds the answers once they are written."""
-    rows = "\n".join(f"| {source} | {count} |" for source, count in report.sources.items())
-    sizes = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"))
-    size = next((name for bound, name in sizes if report.kept < bound), "n>1M")
-    origin = f"\n{provenance}\n" if provenance else ""
-    terms = "" if license != "other" else (
-        f"\nThe answers are {target}'s output: its licence and terms apply to them.\n")
-    return f"""---
-pretty_name: Training prompts and answers for a drafter of {target}
-license: {license}
-language:
-- en
-task_categories:
-- text-generation
-size_categories:
-- {size}
-tags:
-- dcoco-hf
-- speculative-decoding
-- drafter-training
-- synthetic
----
-
-# Training prompts and answers for a drafter of {target}
-
-Made by `{command}`. Each record is a prompt and the target's own greedy answer or continuation (token ids and a
-mask over what the target wrote), what a DFlash/DCOCO drafter learns to predict. Prompts are mostly English; some
-ask for an answer in another language, and a base model's prose openings are partly French, Spanish, German, Italian
-or Portuguese.
-{terms}{origin}
-## Sources
-
-| source | prompts |
-| --- | --- |
-{rows}
-
-Code prompts and code openings are the signatures and docstrings of documented functions of the Python standard
-library and of installed open-source libraries (each under its own licence); documentation openings are the first
-sentences of their module and class docstrings; task prompts and prose openings are built from templates over topics
-and languages, word problems from random numbers; questions and exercises, where present, were written by the
-target itself.
-
-## Deduplication and held-out evaluation
-
-- {report.duplicates} duplicates dropped (case- and whitespace-blind).
-- {report.named_like_evaluation} prompts dropped for defining a function an evaluation prompt defines.
-- {report.overlapping} prompts dropped for sharing a run of {OVERLAP_WORDS} words with one of the
-  {report.evaluation_prompts} evaluation prompts.
-- {report.kept} prompts kept.
-"""
-
-
-RECORDS_HEADING = "\n## Records\n"
-
-
-def records_section(records: int, tokens: int, answer_tokens: int, max_new_tokens: int, shard_size: int,
-                    left_out: int = 0, max_prompt_tokens: int | None = None) -> str:
-    """The dataset card's account of the written answers (`dataset_card` describes their prompts)."""
-    long = (f"| left out | {left_out:,} prompt(s) of more than {max_prompt_tokens} tokens (`left_out.json`): their "
-            "answers would not fit the records training reads |\n") if left_out else ""
-    return f"""{RECORDS_HEADING}
-| | |
-| --- | --- |
-| records | {records:,}: one prompt each, answered greedily, up to {max_new_tokens} new tokens |
-| tokens | {tokens:,} in all, {answer_tokens:,} of them written by the target (`loss_mask`) |
-{long}| files | `shard-*.safetensors`, {shard_size} records each (`input_ids`, `loss_mask`; no code runs on load) |
-
-```python
-from dcoco_hf.training.data import load_shards
-
-records = load_shards("path/to/this/folder")  # [{{"input_ids": [T] token ids, "loss_mask": [T] bool}}, ...]
-```
-"""
-
-
-__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "RECORDS_HEADING", "dataset_card", "documentation_openings",
-           "library_code_openings", "library_code_prompts", "normalized", "prepare_prompts", "prose_openings",
-           "records_section", "task_prompts"]
+__all__ = ["LIBRARIES", "OVERLAP_WORDS", "PromptReport", "documentation_openings", "library_code_openings",
+           "library_code_prompts", "normalized", "prepare_prompts", "prose_openings", "task_prompts"]
