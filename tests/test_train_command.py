@@ -99,7 +99,7 @@ def test_the_shipped_drafters_recipes_parse_into_train_options():
 
     parser = build_parser()._subparsers._group_actions[0].choices["train"]
     args = parse_with_recipe(parser, ["--recipe", str(REPO / "recipes" / "train" / "smollm2-135m.yaml")])
-    assert (args.answers, args.layers, args.draft_vocab, args.steps, args.stage2_steps) == (16000, 3, 8192, 3000, 1000)
+    assert (args.answers, args.layers, args.draft_vocab, args.steps, args.stage2_steps) == (16000, 3, 8192, 8000, 1000)
     assert args.correct_first_slot and args.context_bigrams and args.corpus_bigrams
     gemma = parse_with_recipe(parser, ["--recipe", str(REPO / "recipes" / "train" / "gemma3-270m.yaml")])
     assert (gemma.target, gemma.layers, gemma.draft_vocab) == ("gemma3-270m", 2, 32768)
