@@ -94,8 +94,6 @@ records = load_shards("path/to/this/folder")  # [{{"input_ids": [T] token ids, "
 
 
 LICENCE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "*TERMS*", "USE_POLICY*")
-
-
 NOTICE_FILE = "NOTICE"  # the notice a known target's terms require (`HubTarget.notice`), written beside the weights
 
 

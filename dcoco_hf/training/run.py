@@ -26,8 +26,6 @@ from .data import write_json
 from .phases import TIME_SHARES
 
 STATE_FILE = "train_state.json"
-
-
 PROGRESS_FILE = "progress.jsonl"
 
 
