@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 from dcoco_hf import DCOCODrafter
 from dcoco_hf.assets import default_target_path
 from dcoco_hf.training import measure_tau
-from dcoco_hf.training.data import prompt_input_ids
+from dcoco_hf.runtime.prompts import prompt_input_ids
 from dcoco_hf.training.pipeline import train
 from dcoco_hf.training.run import TrainRun
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.training.data import load_shards, prompt_input_ids, regenerate
+from dcoco_hf.runtime.prompts import prompt_input_ids
+from dcoco_hf.training.data import load_shards, regenerate
 from dcoco_hf.training.run import TrainRun
 from dcoco_hf.training.prompt_sources import library_code_prompts, task_prompts
 

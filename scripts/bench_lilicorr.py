@@ -45,7 +45,6 @@ from dcoco_hf.cli.bench import (
     MethodRunner,
     _compare_with_vanilla,
     build_report,
-    encode_prompt,
     format_table,
     run_order,
     summarise,
@@ -58,6 +57,7 @@ from dcoco_hf.cli.common import (
     load_target,
 )
 from dcoco_hf.runtime.cpu_linear import use_few_rows_linear
+from dcoco_hf.runtime.prompts import prompt_input_ids
 from dcoco_hf.runtime.tuning import tuning_line
 from dcoco_hf.network.lilicorr import LiLiCorrCorrector
 from dcoco_hf.network.selector import SelectorCorrector
@@ -162,7 +162,7 @@ def main() -> None:
             raise SystemExit(f"--methods: {sorted(unknown)} not among {[label for label, _, _ in plan]}")
         plan = [step for step in plan if step[0] in wanted]
     labels = [label for label, _, _ in plan]
-    encoded = [encode_prompt(tokenizer, item.text).to(target.device) for item in prompts]
+    encoded = [prompt_input_ids(tokenizer, item.text).to(target.device) for item in prompts]
     records = []
     try:
         for _, runner, method in plan[: len(plan) * args.warmup]:  # untimed: lazy initialisation, allocator growth

@@ -414,7 +414,7 @@ def test_a_target_without_chat_template_answers_plain_text_prompts(tmp_path):
     """A base model's tokenizer has no chat template: its prompts are code openings and prose openings (the
     self-written questions and exercises need a chat turn), given to the target as plain text, with their dataset
     card."""
-    from dcoco_hf.training.data import prompt_input_ids
+    from dcoco_hf.runtime.prompts import prompt_input_ids
     from dcoco_hf.training.pipeline import source_prompts
     from dcoco_hf.training.run import TrainRun
 

@@ -324,7 +324,8 @@ def test_regenerate_leaves_out_prompts_whose_answers_cannot_fit_and_resumes_a_fo
     goes on; only the written shards' prompts must match."""
     from test_cli import tiny_tokenizer
 
-    from dcoco_hf.training.data import prompt_input_ids, regenerate
+    from dcoco_hf.runtime.prompts import prompt_input_ids
+    from dcoco_hf.training.data import regenerate
 
     target, tokenizer = make_target("llama"), tiny_tokenizer()
     tokenizer.pad_token = "<unk>"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..runtime.prompts import eos_token_ids, left_pad, padding_id
+from ..runtime.prompts import eos_token_ids, left_pad, padding_id, prompt_input_ids
 from .common import (
     CLIError,
     add_prompt_arguments,
@@ -267,10 +267,9 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     else:
         loaded = load_models(args, need_drafter=True, batch=max(batch_sizes))
         drafter, drafter_name = loaded.drafter, loaded.drafter_name
-    from .bench import encode_prompt
 
     tokenizer = loaded.tokenizer
-    prompts = [encode_prompt(tokenizer, item.text)[0] for item in items]
+    prompts = [prompt_input_ids(tokenizer, item.text)[0] for item in items]
     log(f"batched benchmark of {','.join(methods)} on {len(prompts)} prompt(s), batch sizes {batch_sizes}")
     report = run_batch_bench(
         loaded.target, drafter, prompts, batch_sizes, args.max_new_tokens, methods, temperature=args.temperature,

@@ -40,7 +40,7 @@ import torch
 from transformers import PreTrainedModel, StaticCache
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..runtime.prompts import chat_input_ids
+from ..runtime.prompts import prompt_input_ids
 from ..runtime.block_choice import block_size_for_call, check_block_size, set_block_size  # noqa: F401 (re-exported)
 from ..runtime.device import device_sync
 from ..runtime.hf_compat import cache_kwargs, require_assisted_static_cache
@@ -333,14 +333,6 @@ class PromptItem:
     text: str
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.LongTensor:
-    """Token ids [1, T] of `text` as one user turn of the tokenizer's chat template; plain text for a tokenizer
-    without one (a base model), so any causal LM can be benchmarked."""
-    if tokenizer.chat_template:
-        return chat_input_ids(tokenizer, text)
-    return tokenizer(text, return_tensors="pt")["input_ids"].long()
-
-
 def run_order(methods: Sequence[str], turn: int) -> list[str]:
     """The order `methods` run in on turn `turn` (a prompt's round): a permutation drawn from a generator seeded with
     the turn, so runs are repeatable and, over the turns, every method runs first, last and right after every other
@@ -372,7 +364,7 @@ def run_bench(
     `BenchInterrupted` with the records of the prompts that had finished."""
     if not prompts:
         raise ValueError("no prompts to benchmark")
-    encoded = [encode_prompt(tokenizer, item.text).to(target.device) for item in prompts]
+    encoded = [prompt_input_ids(tokenizer, item.text).to(target.device) for item in prompts]
     runner = MethodRunner(target, drafter, settings)
     try:
         for round_index in range(settings.warmup):
@@ -603,7 +595,6 @@ __all__ = [
     "RunRecord",
     "build_report",
     "check_block_size",
-    "encode_prompt",
     "format_proposals",
     "format_report",
     "format_table",

@@ -36,7 +36,6 @@ from .bench import (
     PromptItem,
     RunRecord,
     build_report,
-    encode_prompt,
     format_report,
     greedy_mismatch_reason,
     run_bench,
@@ -64,6 +63,7 @@ from .plots import require_matplotlib
 from .target import add_target_parser
 from .train import add_train_parser
 from ..runtime.precision import describe_quantization
+from ..runtime.prompts import prompt_input_ids
 from ..runtime.stats import DCOCOStats
 from ..runtime.tuning import cpu_name
 
@@ -160,7 +160,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_arguments(args)
     loaded = load_models(args, need_drafter=True)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    input_ids = encode_prompt(loaded.tokenizer, args.prompt).to(loaded.device)
+    input_ids = prompt_input_ids(loaded.tokenizer, args.prompt).to(loaded.device)
     with closing(MethodRunner(loaded.target, loaded.drafter, settings)) as runner:
         if args.warmup:
             log("warming up")

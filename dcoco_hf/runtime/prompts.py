@@ -34,6 +34,14 @@ def chat_input_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.Lon
     return ids.long()
 
 
+def prompt_input_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.LongTensor:
+    """Token ids ``[1, T]`` the target answers ``prompt`` from: one user turn of the chat template, or the plain text
+    for a tokenizer without one (a base model continues it)."""
+    if tokenizer.chat_template:
+        return chat_input_ids(tokenizer, prompt)
+    return tokenizer(prompt, return_tensors="pt")["input_ids"].long()
+
+
 def left_pad(prompts: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Prompts of token ids ([T] or [1, T] each) -> (input_ids [B, L], attention_mask [B, L]), left-padded."""
     width = max(p.shape[-1] for p in prompts)

@@ -34,7 +34,14 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..runtime.logs import log
-from ..runtime.prompts import HUMANEVAL_TEMPLATE, chat_input_ids, eos_token_ids, left_pad, padding_id
+from ..runtime.prompts import (
+    HUMANEVAL_TEMPLATE,
+    chat_input_ids,
+    eos_token_ids,
+    left_pad,
+    padding_id,
+    prompt_input_ids,
+)
 
 CHAT_TOPICS = (
     "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry", "geography", "music",
@@ -298,14 +305,6 @@ def write_json(path: Path, value: Any, indent: int | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=indent))
     tmp.rename(path)
-
-
-def prompt_input_ids(tokenizer, prompt: str) -> torch.LongTensor:
-    """Token ids [1, T] the target answers `prompt` from: a chat turn when the tokenizer has a chat template, else
-    the plain text (a base model continues it)."""
-    if tokenizer.chat_template:
-        return chat_input_ids(tokenizer, prompt)
-    return tokenizer(prompt, return_tensors="pt")["input_ids"].long()
 
 
 SHARD_SUFFIX = ".safetensors"

@@ -27,12 +27,11 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from ..runtime.block_choice import block_size_for_call
 from ..runtime.drafter import DCOCODrafter, spread_layer_ids
 from ..runtime.logs import log
-from ..runtime.prompts import padding_id
+from ..runtime.prompts import padding_id, prompt_input_ids
 from .data import (
     RECORDS_PER_SHARD,
     cache_target_features,
     load_shards,
-    prompt_input_ids,
     regenerate,
     self_instruct_exercises,
     self_instruct_prompts,
