@@ -73,7 +73,7 @@ class TrainRun:
     bf16: bool = False
     tau_tokens: int = 64
     draft_vocab: int | None = None  # None: `auto_draft_vocab` of the target's vocabulary; 0: every token
-    slot_weighting: str = "decay"  # both stages' slot loss weights (`losses.SLOT_WEIGHTINGS`)
+    slot_weighting: str = "decay"  # both stages' slot loss weights (`phases.SLOT_WEIGHTINGS`)
     # stage 2: the corrector's extensions (`stages.StageOptions`; the shipped SmolLM2 drafter has all three)
     correct_first_slot: bool = False
     context_bigrams: bool = False
