@@ -7,8 +7,10 @@ alternated per round).
 The prompts are a fixed sample of `dcoco-hf train`'s own sources for SmolLM2 (half "complete the function" tasks
 from library functions, half chat, writing and reasoning tasks). `dcoco-hf train` answers them shortest first in
 batches of 64 (`training.data.regenerate`); the earlier script answered them in the order given, 64 per shard,
-sorted inside each shard, in batches of 32 (reproduced here by answering each shard of 64 on its own). Greedy, 192
-new tokens. Reports answers per hour, answer tokens per second, the ratio, and whether both wrote the same answers.
+sorted inside each shard, in batches of 32, each a batched `generate()` call, whose finished rows go on decoding
+until the batch's longest answer ends (reproduced here). `dcoco-hf train`'s rows leave the batch as their answers end
+(`training.data.greedy_answers`). Greedy, 192 new tokens. Reports answers per hour, answer tokens per second, the
+ratio, and whether both wrote the same answers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dcoco_hf.assets import load_default_target
-from dcoco_hf.runtime.prompts import prompt_input_ids
+from dcoco_hf.runtime.prompts import eos_token_ids, left_pad, padding_id, prompt_input_ids
 from dcoco_hf.training.data import load_shards, regenerate
 from dcoco_hf.training.run import TrainRun
 from dcoco_hf.training.prompt_sources import library_code_prompts, task_prompts
@@ -34,15 +36,23 @@ SETTINGS = {"regenerate_data.py": 32, "dcoco-hf train": TrainRun.answer_batch_si
 SHARD = 64  # prompts per shard, in both
 
 
-def answer(name: str, target, tokenizer, prompts: list[str], folder: Path, max_new_tokens: int) -> list[dict]:
-    """The records one setting writes: one call over all prompts (sorted by length), or the earlier script's one
-    call per shard of 64 (each sorted on its own)."""
-    chunks = [prompts] if name == "dcoco-hf train" else [prompts[i : i + SHARD] for i in range(0, len(prompts), SHARD)]
-    records = []
-    for index, chunk in enumerate(chunks):
-        regenerate(target, tokenizer, chunk, folder / str(index), max_new_tokens, SETTINGS[name], shard_size=SHARD)
-        records += load_shards(folder / str(index))
-    return records
+def answer(name: str, target, tokenizer, prompts: list[str], folder: Path, max_new_tokens: int) -> list[list[int]]:
+    """Each answered prompt's tokens (prompt + answer) as one setting writes them: `regenerate` over all prompts
+    (sorted by length), or the earlier script's shards of 64, each sorted on its own, 32 rows per `generate()`."""
+    if name == "dcoco-hf train":
+        regenerate(target, tokenizer, prompts, folder, max_new_tokens, SETTINGS[name], shard_size=SHARD)
+        return [r["input_ids"].tolist() for r in load_shards(folder)]
+    written = []
+    eos = eos_token_ids(target.generation_config.eos_token_id)
+    for start in range(0, len(prompts), SHARD):
+        shard = sorted((prompt_input_ids(tokenizer, p)[0] for p in prompts[start : start + SHARD]), key=len)
+        for batch in (shard[i : i + SETTINGS[name]] for i in range(0, len(shard), SETTINGS[name])):
+            ids, mask = left_pad(batch, padding_id(tokenizer))
+            rows = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+            for prompt, row in zip(batch, rows[:, ids.shape[1] :].tolist()):
+                ends = [i for i, token in enumerate(row) if token in eos]
+                written.append(prompt.tolist() + row[: ends[0] + 1 if ends else len(row)])
+    return written
 
 
 def main() -> None:
@@ -67,7 +77,7 @@ def main() -> None:
                 start = time.perf_counter()
                 written = answer(name, target, tokenizer, prompts, Path(folder), args.max_new_tokens)
                 seconds[name].append(time.perf_counter() - start)
-                records[name] = {tuple(r["input_ids"].tolist()) for r in written}
+                records[name] = {tuple(r) for r in written}
     tokens = sum(len(r) for r in records["dcoco-hf train"]) - sum(
         len(prompt_input_ids(tokenizer, p)[0]) for p in prompts)
     same = len(records["dcoco-hf train"] & records["regenerate_data.py"])

@@ -279,6 +279,31 @@ def test_corrector_only_training_keeps_the_backbone(tmp_path):
     assert drafter.corrector.delta_out.weight.abs().sum() > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_answers_match_generate_while_ended_rows_leave_the_batch(arch):
+    """Each row's answer is what generate(do_sample=False) writes for it alone, up to and including its first EOS,
+    though rows of other lengths end earlier and leave the batch (Gemma 3: prompts and answers cross the sliding
+    window)."""
+    from test_gemma3 import tiny_gemma3
+
+    from dcoco_hf.runtime.prompts import left_pad
+    from dcoco_hf.training.data import greedy_answers
+
+    target = tiny_gemma3() if arch == "gemma3" else make_target("llama")
+    vocab = target.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 14, 9, 11)]
+    alone = [target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
+                             do_sample=False)[0, len(p):] for p in prompts]
+    # EOS: a token some rows write early and others late or never, so rows leave at different steps.
+    target.generation_config.eos_token_id = int(alone[1][4])
+    ends = [torch.isin(a, torch.tensor([int(alone[1][4])])).nonzero() for a in alone]
+    expected = [a[: int(e[0]) + 1] if e.numel() else a for a, e in zip(alone, ends)]
+    assert len({len(e) for e in expected}) > 1
+    ids, mask = left_pad(prompts, 0)
+    answers = greedy_answers(target, ids, mask, max_new_tokens=12)
+    assert [a.tolist() for a in answers] == [e.tolist() for e in expected]
+
+
 def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp_path):
     from test_cli import tiny_tokenizer
 

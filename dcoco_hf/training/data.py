@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
+from transformers.cache_utils import DynamicCache
 
+from ..runtime.hf_compat import cache_kwargs
 from ..runtime.logs import log
 from ..runtime.prompts import (
     HUMANEVAL_TEMPLATE,
@@ -284,10 +286,8 @@ def regenerate(
         records = []
         for batch in _batches(shard, batch_size):
             ids, mask = left_pad(batch, padding_id(tokenizer))
-            out = target.generate(ids.to(target.device), attention_mask=mask.to(target.device),
-                                  max_new_tokens=max_new_tokens, do_sample=False).cpu()
-            for prompt, row in zip(batch, out[:, ids.shape[1] :]):
-                response = _until_eos(row, target.generation_config.eos_token_id)
+            answers = greedy_answers(target, ids.to(target.device), mask.to(target.device), max_new_tokens)
+            for prompt, response in zip(batch, answers):
                 records.append(_record(prompt, response))
                 tokens += len(response)
             progress.update(len(batch))
@@ -297,6 +297,40 @@ def regenerate(
             break
     progress.close()
     return out_dir
+
+
+@torch.no_grad()
+def greedy_answers(target, input_ids: torch.LongTensor, attention_mask: torch.LongTensor,
+                   max_new_tokens: int) -> list[torch.LongTensor]:
+    """The target's greedy answer to each left-padded row ([B, L] each), up to and including its first EOS: the
+    tokens batched `generate(do_sample=False)` writes for it. Unlike `generate()`, a row whose answer has ended leaves
+    the batch (its cache rows are dropped), so the rest of a batch no longer pays for it: the target's answers run
+    from a few tokens to the cap, and a forward's cost grows with its rows."""
+    eos = torch.tensor(eos_token_ids(target.generation_config.eos_token_id), dtype=torch.long,
+                       device=input_ids.device)
+    # Left padding: a row's positions count its own tokens, as generate() numbers them.
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    cache = DynamicCache(config=target.config)
+    logits = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1, **cache_kwargs(cache)).logits[:, -1]  # [B, V]
+    answers: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)  # [b]: the batch rows still answering
+    mask, position = attention_mask, positions[:, -1]
+    for step in range(max_new_tokens):
+        tokens = logits.argmax(-1)  # [b]
+        for row, token in zip(rows.tolist(), tokens.tolist()):
+            answers[row].append(token)
+        going = (~torch.isin(tokens, eos)).nonzero().squeeze(1)
+        if step + 1 == max_new_tokens or going.numel() == 0:
+            break
+        if going.numel() < rows.numel():
+            cache.batch_select_indices(going)
+            tokens, mask, position, rows = tokens[going], mask[going], position[going], rows[going]
+        mask = torch.cat([mask, mask.new_ones(rows.numel(), 1)], dim=1)
+        position = position + 1
+        logits = target(input_ids=tokens[:, None], attention_mask=mask, position_ids=position[:, None],
+                        use_cache=True, **cache_kwargs(cache)).logits[:, -1]
+    return [torch.tensor(answer, dtype=torch.long) for answer in answers]
 
 
 def write_json(path: Path, value: Any, indent: int | None = None) -> None:
@@ -395,13 +429,6 @@ def _record(prompt: torch.LongTensor, response: torch.LongTensor) -> dict[str, t
     loss_mask = torch.zeros(input_ids.shape[0], dtype=torch.bool)
     loss_mask[prompt.shape[0] :] = True
     return {"input_ids": input_ids, "loss_mask": loss_mask}
-
-
-def _until_eos(row: torch.LongTensor, eos: int | list[int] | None) -> torch.LongTensor:
-    """Cut a generated row after its first EOS (batched generate pads finished rows after it)."""
-    eos_ids = torch.tensor(eos_token_ids(eos), dtype=row.dtype)
-    stops = torch.isin(row, eos_ids).nonzero()
-    return row[: int(stops[0]) + 1] if stops.numel() else row
 
 
 def _length_batches(records: list[dict], batch_tokens: int) -> Iterator[list[dict]]:
