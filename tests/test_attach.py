@@ -106,7 +106,8 @@ def test_the_constant_schedule_takes_dscouts_block(tmp_path, monkeypatch):
     drafter = _drafter(target)
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
     tuning = drafter.attach(target).tuning
-    assert tuning.block_choice is not None and drafter.config.block_size == tuning.block_choice.block_size
+    # The block is a decoding choice (the generation config), whichever block the timings favoured on this machine.
+    assert tuning.block_choice is not None and drafter.draft_block_size == tuning.block_choice.block_size
     assert set(tuning.block_choice.tau) == {2, 3, 4}
     assert tuning.block_choice.cycle_seconds[3] == tuning.costs.cycle(2, 3)
 
