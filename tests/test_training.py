@@ -304,6 +304,22 @@ def test_greedy_answers_match_generate_while_ended_rows_leave_the_batch(arch):
     assert [a.tolist() for a in answers] == [e.tolist() for e in expected]
 
 
+def test_regenerate_says_when_the_generation_config_has_logit_rules_the_answers_leave_out(tmp_path, capsys):
+    from test_cli import tiny_tokenizer
+
+    from dcoco_hf.training.data import logit_rules, regenerate
+
+    target, tokenizer = make_target("llama"), tiny_tokenizer()
+    tokenizer.pad_token = "<unk>"
+    assert logit_rules(target) == []
+    target.generation_config.repetition_penalty = 1.3
+    target.generation_config.no_repeat_ngram_size = 3
+    assert logit_rules(target) == ["repetition_penalty", "no_repeat_ngram_size"]
+    regenerate(target, tokenizer, ["w1 w2"], tmp_path, max_new_tokens=2)
+    assert "sets repetition_penalty, no_repeat_ngram_size: the answers are the target's plain greedy argmax" in \
+        capsys.readouterr().err
+
+
 def test_regenerate_stops_after_max_shards_and_resumes_with_the_same_prompts(tmp_path):
     from test_cli import tiny_tokenizer
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 
 from ..runtime.hf_compat import cache_kwargs
@@ -275,6 +276,10 @@ def regenerate(
             write_json(out_dir / "left_out.json", left_out)
             log(f"{len(left_out)} prompt(s) of more than {max_prompt_tokens} tokens left out (listed in "
                 f"{out_dir / 'left_out.json'}): their answers would not fit the records training reads")
+    rules = logit_rules(target)
+    if rules and rank == 0:
+        log(f"the target's generation config sets {', '.join(rules)}: the answers are the target's plain greedy "
+            "argmax without them, so the drafter learns to draft that (outputs stay exact either way)")
     mine = [index % processes == rank for index in range(len(shards))]
     progress = tqdm(total=sum(len(s) for s, m in zip(shards, mine) if m),
                     initial=sum(len(s) for s, d, m in zip(shards, done, mine) if d and m), desc="answers",
@@ -299,13 +304,28 @@ def regenerate(
     return out_dir
 
 
+# Generation-config fields with which generate(do_sample=False) changes the logits before its argmax.
+LOGIT_RULES = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+               "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "min_length", "min_new_tokens",
+               "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty")
+
+
+def logit_rules(target) -> list[str]:
+    """The `LOGIT_RULES` the target's generation config sets away from their defaults: `greedy_answers` writes the
+    plain argmax, which these would change."""
+    defaults = GenerationConfig()
+    return [name for name in LOGIT_RULES
+            if getattr(target.generation_config, name, None) != getattr(defaults, name, None)]
+
+
 @torch.no_grad()
 def greedy_answers(target, input_ids: torch.LongTensor, attention_mask: torch.LongTensor,
                    max_new_tokens: int) -> list[torch.LongTensor]:
     """The target's greedy answer to each left-padded row ([B, L] each), up to and including its first EOS: the
     tokens batched `generate(do_sample=False)` writes for it. Unlike `generate()`, a row whose answer has ended leaves
     the batch (its cache rows are dropped), so the rest of a batch no longer pays for it: the target's answers run
-    from a few tokens to the cap, and a forward's cost grows with its rows."""
+    from a few tokens to the cap, and a forward's cost grows with its rows. The answers are the plain argmax; where
+    the generation config adds logit rules (`logit_rules`), `regenerate` says so before answering."""
     eos = torch.tensor(eos_token_ids(target.generation_config.eos_token_id), dtype=torch.long,
                        device=input_ids.device)
     # Left padding: a row's positions count its own tokens, as generate() numbers them.
