@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"target {target_path}, drafter {args.drafter}, {args.max_new_tokens} new tokens max\n{tuning}")
 
     report = {"command_line": ["python", "scripts/api_bench.py", *argv], "machine": machine(), "tuning": tuning,
-              "methods": methods, "suites": {}}
+              "max_new_tokens": args.max_new_tokens, "methods": methods, "suites": {}}
     items = [PromptItem(name, index, text) for name, prompts in suites.items() for index, text in enumerate(prompts)]
     # The bench's runner: every method on each prompt, in an order shuffled per prompt (`dcoco-hf bench`).
     records = run_bench(target, tokenizer, drafter, items, [BENCH_METHOD[m] for m in methods],
@@ -135,8 +135,9 @@ def record(prompt: str, runs: list[RunRecord]) -> dict:
         entry = {"tokens": run.new_tokens, "seconds": run.seconds}
         if run.dcoco is not None:
             total = run.dcoco
-            entry.update(tau=total.tau, target_forwards=total.target_forwards,
-                         corrector_seconds=total.corrector_seconds, identical=bool(run.equal_to_vanilla),
+            entry.update(tau=total.tau, target_forwards=total.target_forwards, drafter_seconds=total.drafter_seconds,
+                         corrector_seconds=total.corrector_seconds, target_seconds=total.target_seconds,
+                         prefill_seconds=total.prefill_seconds, identical=bool(run.equal_to_vanilla),
                          proposal_lengths=total.proposal_lengths, tree_cycles=total.tree_cycles)
         methods[API_METHOD[run.method]] = entry
     return {"prompt": prompt, "methods": methods}
@@ -199,11 +200,23 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
             "speedup": tokens / seconds / plain_rate,
             "tokens_per_s": tokens / seconds,
             "corrector_share": sum(r["corrector_seconds"] for r in runs) / seconds,
+            "time_split": time_split(runs),
             "identical": sum(r["identical"] for r in runs),
             "proposal_lengths": _summed([r["proposal_lengths"] for r in runs]),
             "tree_cycles": sum(r["tree_cycles"] for r in runs),
         }
     return totals
+
+
+def time_split(runs: list[dict]) -> dict[str, float]:
+    """Where a method's time went, as shares of it: the prompt's target forward (prefill), the drafter's backbone
+    with its lm_head and top-K (draft), the corrector's scoring and walk, the target's verify forwards, and the rest
+    (transformers' loop, the schedule, moving tokens): the split a faster drafter, corrector or target would shrink."""
+    seconds = sum(r["seconds"] for r in runs)
+    parts = {"prefill": sum(r["prefill_seconds"] for r in runs), "draft": sum(r["drafter_seconds"] for r in runs),
+             "corrector": sum(r["corrector_seconds"] for r in runs),
+             "verify": sum(r["target_seconds"] - r["prefill_seconds"] for r in runs)}
+    return {**{name: part / seconds for name, part in parts.items()}, "other": 1 - sum(parts.values()) / seconds}
 
 
 def _summed(counts: list[list[int]]) -> dict[str, int]:

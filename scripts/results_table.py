@@ -52,16 +52,16 @@ def _load(file: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def api_rows(link: bool = True) -> list[str]:
+def api_rows(link: bool = True, file: str = API_RUN, names: dict[str, str] = SUITE_NAMES) -> list[str]:
     """One row per suite: transformers' assisted generate() and, where measured, speculative_generate at batch 1."""
-    report = _load(API_RUN)
+    report = _load(file)
     if report is None:
         return []
     rows = []
     for suite, result in report["suites"].items():
         totals, prompts = result["totals"], result["prompts"]
         assisted, batched = totals["assisted"], totals.get("batched")
-        cells = [f"{SUITE_NAMES.get(suite, suite)} ({source(API_RUN, link)})", f"{assisted['tau']:.2f}",
+        cells = [f"{names.get(suite, suite)} ({source(file, link)})", f"{assisted['tau']:.2f}",
                  f"{assisted['speedup']:.2f}x", f"{100 * assisted['corrector_share']:.1f}%"]
         if batched is not None:
             cells += [f"{batched['tau']:.2f}", f"{batched['speedup']:.2f}x"]
@@ -71,8 +71,8 @@ def api_rows(link: bool = True) -> list[str]:
     return rows
 
 
-def api_header() -> list[str]:
-    report = _load(API_RUN) or {"methods": []}
+def api_header(file: str = API_RUN) -> list[str]:
+    report = _load(file) or {"methods": []}
     if "batched" in report["methods"]:
         return ["| prompts | tau (`generate`) | speedup (`generate`) | corrector share | tau (`speculative_generate`) "
                 "| speedup (`speculative_generate`) | identical outputs |",
@@ -81,17 +81,35 @@ def api_header() -> list[str]:
             "outputs |", "| --- | --- | --- | --- | --- |"]
 
 
-def api_caption() -> list[str]:
-    report = _load(API_RUN)
+def api_caption(file: str = API_RUN) -> list[str]:
+    report = _load(file)
     if report is None:
         return []
     command = " ".join(report["command_line"])
     return [f"`{command}` on {report['machine']}; tuning line of the run: {tuning_line(report['tuning'])}."]
 
 
-def bench_rows(link: bool = True) -> list[str]:
+SPLIT_PARTS = ("prefill", "draft", "corrector", "verify", "other")
+
+
+def time_split_rows(file: str, names: dict[str, str]) -> list[str]:
+    """Where `generate(assistant_model=)`'s time went per suite of an API run (`api_bench.py`'s `time_split`): the
+    prompt's forward, the drafter's backbone and lm_head, the corrector, the target's verify forwards, the rest."""
+    report = _load(file)
+    if report is None or "time_split" not in next(iter(report["suites"].values()))["totals"]["assisted"]:
+        return []
+    rows = ["| prompts | " + " | ".join(SPLIT_PARTS) + " |", "|" + " --- |" * (len(SPLIT_PARTS) + 1)]
+    for suite, result in report["suites"].items():
+        split = result["totals"]["assisted"]["time_split"]
+        rows.append(f"| {names.get(suite, suite)} | " + " | ".join(f"{100 * split[p]:.1f}%" for p in SPLIT_PARTS)
+                    + " |")
+    return rows
+
+
+def bench_rows(link: bool = True, benches: tuple[tuple[str, str], ...] = BENCHES,
+               names: dict[str, str] = BENCH_SUITES) -> list[str]:
     rows = []
-    for suffix, file in BENCHES:
+    for suffix, file in benches:
         report = _load(file)
         if report is None:
             continue
@@ -100,7 +118,7 @@ def bench_rows(link: bool = True) -> list[str]:
         for suite, methods in report["suites"].items():
             dflash, dcoco = methods[f"dflash{suffix}"], methods[f"dcoco{suffix}"]
             rows.append(
-                f"| {BENCH_SUITES.get(suite, suite)}, {dcoco['prompts']} prompts, {blocks} "
+                f"| {names.get(suite, suite)}, {dcoco['prompts']} prompts, {blocks} "
                 f"({source(file, link)}) | {dflash['tau']:.2f} / {dcoco['tau']:.2f} | "
                 f"{dcoco['tau'] / dflash['tau']:.3f} | {dflash['speedup']:.2f}x / {dcoco['speedup']:.2f}x | "
                 f"{100 * dcoco['corrector_share']:.1f}% |"
@@ -108,9 +126,9 @@ def bench_rows(link: bool = True) -> list[str]:
     return rows
 
 
-def bench_caption() -> list[str]:
+def bench_caption(benches: tuple[tuple[str, str], ...] = BENCHES) -> list[str]:
     lines = []
-    for _, file in BENCHES:
+    for _, file in benches:
         report = _load(file)
         if report is not None:
             config = report["config"]
@@ -344,6 +362,47 @@ def choices_table() -> str:
     return "\n".join([*lines, "", caption])
 
 
+# The Gemma 3 270M drafter's runs: the card's tables, a compact one in the README, all of them in docs/results.md.
+GEMMA3_CARD = ROOT / "model_cards" / "dcoco-gemma3-270m" / "README.md"
+GEMMA3_API_RUN = "api_bench_gemma3.json"
+GEMMA3_BENCHES = (("", "bench_dflash_vs_dcoco_gemma3.json"),)
+GEMMA3_SUITES = {
+    "humaneval-code": "HumanEval, prompts 1-20, as code completions",
+    "prose-openings": "24 prose openings",
+    "hard-to-draft": "8 requests for emoji, Russian, Greek, Hindi text",
+}
+
+
+def gemma3_table(link: bool = True, full: bool = True) -> str:
+    """The Gemma 3 270M drafter's public-API run and, with `full`, where its time went and the corrector alone."""
+    report = _load(GEMMA3_API_RUN)
+    if report is None:
+        return ""
+    lines = [
+        "Gemma 3 270M (the base model) through the public API (`from_pretrained`, default `attach`,",
+        f"`generate(..., assistant_model=drafter)`; greedy, {report['max_new_tokens']} new tokens, beside plain "
+        "`generate()` per prompt):",
+        "",
+        *api_header(GEMMA3_API_RUN),
+        *api_rows(link, GEMMA3_API_RUN, GEMMA3_SUITES),
+        "",
+        *api_caption(GEMMA3_API_RUN),
+    ]
+    if not full:
+        return "\n".join(lines)
+    split = time_split_rows(GEMMA3_API_RUN, GEMMA3_SUITES)
+    if split:
+        lines += ["", "Where the time of `generate(assistant_model=drafter)` went, as shares of it (same run):", "",
+                  *split]
+    rows = bench_rows(link, GEMMA3_BENCHES, GEMMA3_SUITES)
+    if rows:
+        lines += ["", "The corrector alone: the same engine, weights, draft vocabulary and blocks, with the corrector "
+                  "off (`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench`):", "",
+                  "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
+                  "| --- | --- | --- | --- | --- |", *rows, "", *bench_caption(GEMMA3_BENCHES)]
+    return "\n".join(lines)
+
+
 SECTIONS = {"bench": bench_table, "sampling": sampling_table, "split": split_table}  # docs/results.md's others
 PROPOSAL_DOC = ROOT / "docs" / "proposal.md"
 
@@ -370,6 +429,11 @@ def write() -> None:
     replace_between(PROPOSAL_DOC, schedule_table(), *section_marks("schedule"))
     if _load(CHOICES_RUN) is not None:
         replace_between(TRAINING_DOC, choices_table(), *section_marks("choices"))
+    if _load(GEMMA3_API_RUN) is not None:
+        replace_between(ROOT / "README.md", gemma3_table(link=True, full=False), *section_marks("gemma3 results"))
+        replace_between(GEMMA3_CARD, gemma3_table(link=False), *section_marks("gemma3 results"))
+        replace_between(RESULTS_DOC, "\n".join(_from_docs(gemma3_table(link=True).split("\n"))),
+                        *section_marks("gemma3 results"))
 
 
 def replace_between(doc: Path, rendered: str, start: str = START, end: str = END) -> None:

@@ -145,6 +145,13 @@ def test_results_tables_are_their_json_files():
     assert proposal == _RESULTS["proposal_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
     schedule = _shown(_RESULTS["PROPOSAL_DOC"], *_RESULTS["section_marks"]("schedule"))
     assert schedule == _RESULTS["schedule_table"]() != "", "docs/proposal.md: python scripts/results_table.py --write"
+    if _RESULTS["GEMMA3_CARD"].parent.is_dir():  # a shipped Gemma 3 drafter publishes its runs in three places
+        marks = _RESULTS["section_marks"]("gemma3 results")
+        table = _RESULTS["gemma3_table"]
+        assert _shown(_RESULTS["GEMMA3_CARD"], *marks) == table(link=False) != "", "its card"
+        assert _shown(ROOT / "README.md", *marks) == table(link=True, full=False) != "", "README.md"
+        assert _shown(results, *marks) == "\n".join(_RESULTS["_from_docs"](table(link=True).split("\n"))), results
+        assert "corrector alone" in table() and "went" in table(), "the corrector-off bench and the time split"
     for name in _TREES["REPORTS"]:
         trees = _TREES["markdown_table"](json.loads((ROOT / "docs" / "history" / f"{name}.json").read_text()))
         assert _shown(ROOT / "docs" / "trees.md", *_TREES["table_marks"](name)) == trees, (
@@ -175,9 +182,15 @@ def test_results_runs_kept_every_output_identical():
     for name, suite in api["suites"].items():
         for method in api["methods"][1:]:
             assert suite["totals"][method]["identical"] == suite["prompts"] == len(suite["records"]) > 0, name
-    bench = json.loads((ROOT / "docs" / "results" / "bench_dflash_vs_dcoco.json").read_text())
-    for suite in bench["suites"].values():
-        assert suite["dflash"]["equal_to_vanilla"] == suite["dcoco"]["equal_to_vanilla"] == 1.0
+    benches = ["bench_dflash_vs_dcoco.json"]
+    if _RESULTS["GEMMA3_CARD"].parent.is_dir():
+        gemma = json.loads((ROOT / "docs" / "results" / _RESULTS["GEMMA3_API_RUN"]).read_text())
+        for name, suite in gemma["suites"].items():
+            assert suite["totals"]["assisted"]["identical"] == suite["prompts"] == len(suite["records"]) > 0, name
+        benches += [file for _, file in _RESULTS["GEMMA3_BENCHES"]]
+    for file in benches:
+        for suite in json.loads((ROOT / "docs" / "results" / file).read_text())["suites"].values():
+            assert suite["dflash"]["equal_to_vanilla"] == suite["dcoco"]["equal_to_vanilla"] == 1.0, file
     for file in sorted((ROOT / "docs" / "results").glob("bench_batch_*.json")):
         for size, methods in json.loads(file.read_text())["results"].items():
             assert all(entry["equal_to_vanilla"] for entry in methods.values()), (file.name, size)
