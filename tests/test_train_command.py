@@ -498,6 +498,18 @@ def test_a_known_targets_card_loads_it_by_its_hub_id(tmp_path, monkeypatch):
     plain = model_card(TrainRun(out=tmp_path / "run", target=str(tmp_path / "mine")), SimpleNamespace(config=config),
                        {}, 0, 100)
     assert f'from_pretrained("{tmp_path / "mine"}")' in plain and "base_model" not in plain
+    assert "```yaml" not in plain and "```yaml" not in card  # no --recipe: the command says it all
+
+
+def test_a_recipe_runs_card_holds_the_recipe(folders, tmp_path):
+    """A run made from a --recipe file shows the file in its model card beside the command, so the card alone
+    rebuilds the drafter."""
+    recipe = tmp_path / "tiny.yaml"
+    argv = train_argv(folders, tmp_path / "run")
+    recipe.write_text("# a tiny run\nlayers: 1\n")
+    run_cli(*argv, "--recipe", str(recipe))
+    card = (tmp_path / "run" / "drafter" / "README.md").read_text()
+    assert f"--recipe {recipe}" in card and "```yaml\n# a tiny run\nlayers: 1\n```" in card
 
 
 _PAGE_FAULTS = """

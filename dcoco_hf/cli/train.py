@@ -143,7 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     given = {f.name: getattr(options, f.name) for f in fields(TrainRun) if f.name in TrainRun.OPTIONS}
     known = known_target_built_at(name)
     run = TrainRun(out=options.out.expanduser(), target=name, command=["dcoco-hf", *args.argv],
-                   hub_target=hub_target(known), **given)
+                   hub_target=hub_target(known), recipe=options.recipe.read_text() if options.recipe else None,
+                   **given)
     try:
         state = RunState.open(run)  # refuses another target's run before the target loads
     except RunFolderError as error:

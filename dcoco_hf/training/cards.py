@@ -142,7 +142,7 @@ out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=256, do
 ```bash
 {shlex.join(run.command) if run.command else "dcoco-hf train"}
 ```
-
+{recipe_section(run)}
 ## Held-out tau
 
 Committed tokens per target forward (greedy, whole blocks every cycle) on {held_out} held-out prompt(s) that were not
@@ -151,6 +151,20 @@ trained on, {run.tau_tokens} new tokens each, per block size (recorded as `block
 | block size | tau |
 | --- | --- |
 {rows}
+"""
+
+
+def recipe_section(run: TrainRun) -> str:
+    """The --recipe file the command read, in full (its flags override it): with it the card alone rebuilds the
+    drafter, wherever the file itself is."""
+    if run.recipe is None:
+        return ""
+    return f"""
+with the recipe file it names (flags given beside it override the file):
+
+```yaml
+{run.recipe.strip()}
+```
 """
 
 
@@ -268,4 +282,4 @@ notice files are copied here ({files}).
 
 
 __all__ = ["NOTICE_FILE", "RECORDS_HEADING", "architecture_section", "dataset_card", "draft_coverage", "model_card",
-           "records_section", "training_section", "write_licences"]
+           "recipe_section", "records_section", "training_section", "write_licences"]

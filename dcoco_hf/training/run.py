@@ -86,6 +86,8 @@ class TrainRun:
     # A target built from PyPI (`dcoco-hf target NAME`), which the cards name by its Hub id. None: a folder, Hub id or
     # GGUF file of the user's, which the model card loads as given.
     hub_target: HubTarget | None = None
+    # The --recipe file's text, shown in the model card beside the command: the card rebuilds the drafter alone.
+    recipe: str | None = field(default=None, repr=False)
 
     # The fields that are command-line options (the others say where and what, or are set by the command line).
     OPTIONS: ClassVar[frozenset[str]] = frozenset({
