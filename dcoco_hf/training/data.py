@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
-from transformers.cache_utils import DynamicCache
 
 from ..runtime.hf_compat import cache_kwargs
+from ..runtime.target_cache import static_target_cache
 from ..runtime.logs import log
 from ..runtime.prompts import (
     HUMANEVAL_TEMPLATE,
@@ -325,12 +325,16 @@ def greedy_answers(target, input_ids: torch.LongTensor, attention_mask: torch.Lo
     tokens batched `generate(do_sample=False)` writes for it. Unlike `generate()`, a row whose answer has ended leaves
     the batch (its cache rows are dropped), so the rest of a batch no longer pays for it: the target's answers run
     from a few tokens to the cap, and a forward's cost grows with its rows. The answers are the plain argmax; where
-    the generation config adds logit rules (`logit_rules`), `regenerate` says so before answering."""
+    the generation config adds logit rules (`logit_rules`), `regenerate` says so before answering.
+
+    The keys and values live in buffers sized for the batch's prompts and answers (`static_target_cache`), written in
+    place: a dynamic cache copies every layer's whole cache at every step to append one column, and at 64 rows of a
+    few hundred tokens those copies rival the step's matmuls."""
     eos = torch.tensor(eos_token_ids(target.generation_config.eos_token_id), dtype=torch.long,
                        device=input_ids.device)
     # Left padding: a row's positions count its own tokens, as generate() numbers them.
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    cache = DynamicCache(config=target.config)
+    cache = static_target_cache(input_ids.shape[1] + max_new_tokens)
     logits = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                     use_cache=True, logits_to_keep=1, **cache_kwargs(cache)).logits[:, -1]  # [B, V]
     answers: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
