@@ -9,8 +9,10 @@ The tokens are counted in the learned spans of training data (never the evaluati
 (the target verifies every token); the drafter's lm_head costs vocab_size / size times less. `--size 0` removes it.
 
 `--compare` chooses the size: for each one, the share of the target's answer tokens it holds (a token outside it can
-never be proposed) and the timed cost of drafting blocks of 2, 4 and 8 with a drafter of that shape (untrained:
-the cost does not depend on the weights), in plain target steps, beside the verify costs.
+never be proposed), both over the answers it is chosen from and over answers it never saw (chosen from every other
+record, measured on the rest: what a new prompt's answer meets), and the timed cost of drafting blocks of 2, 4 and 8
+with a drafter of that shape (untrained: the cost does not depend on the weights), in plain target steps, beside the
+verify costs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dcoco_hf.assets import default_target_path
 from dcoco_hf.cli.common import resolve_target
 from dcoco_hf.runtime.block_choice import measure_cycle_costs
 from dcoco_hf.runtime.prompts import eos_token_ids
-from dcoco_hf.training.data import draft_vocabulary, load_shards
+from dcoco_hf.training.data import draft_vocabulary, learned_token_counts, load_shards
 
 
 def main() -> None:
@@ -72,22 +74,27 @@ def compare(args: argparse.Namespace) -> None:
     drafter = DCOCODrafter.from_target(target, num_hidden_layers=args.layers, block_size=8).eval()
     drafter.attach(target, tune=False)
     rows = []
+    unseen = learned_token_counts(records[1::2], target.config.vocab_size)  # [V] of the half the split leaves out
     for size in args.compare:
         if size:
             ids, coverage = draft_vocabulary(records, target.config.vocab_size, size, always=eos)
+            split, _ = draft_vocabulary(records[::2], target.config.vocab_size, size, always=eos)
+            held_out = float(unseen[split].sum() / unseen.sum())
             drafter.set_draft_vocabulary(ids)
         else:
-            coverage = 1.0
+            coverage = held_out = 1.0
             drafter.set_draft_vocabulary(None)
         with torch.no_grad():
             costs = measure_cycle_costs(target, drafter, [2, 4, 8], max_rows=8)
         row = {"size": size or target.config.vocab_size, "coverage": round(coverage, 5),
+               "held_out_coverage": round(held_out, 5),
                "plain_ms": round(1e3 * costs.plain, 2),
                "draft": {b: round(costs.draft[b] / costs.plain, 3) for b in (2, 4, 8)},
                "verify": {n: round(costs.verify[n - 1] / costs.plain, 3) for n in (2, 4, 8)},
                "spread": round(costs.spread, 3)}
         rows.append(row)
-        print(f"{row['size']:>7} tokens: {100 * coverage:6.2f}% of answer tokens; draft of 2/4/8 "
+        print(f"{row['size']:>7} tokens: {100 * coverage:6.2f}% of answer tokens ({100 * held_out:6.2f}% of unseen "
+              f"answers' tokens); draft of 2/4/8 "
               f"{row['draft'][2]:.3f}/{row['draft'][4]:.3f}/{row['draft'][8]:.3f} plain steps "
               f"(plain {row['plain_ms']} ms; verify of 2/4/8 {row['verify'][2]:.2f}/{row['verify'][4]:.2f}/"
               f"{row['verify'][8]:.2f}; spread {100 * row['spread']:.0f}%)")

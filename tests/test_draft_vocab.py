@@ -157,5 +157,6 @@ def test_the_compare_script_measures_coverage_and_draft_cost_per_size(tmp_path):
     report = json.loads((tmp_path / "sizes.json").read_text())
     small, whole = report["sizes"]
     assert small["size"] == 16 and 0 < small["coverage"] <= 1 and whole == {**whole, "coverage": 1.0}
+    assert 0 < small["held_out_coverage"] <= 1 and whole["held_out_coverage"] == 1.0
     assert whole["size"] == target.config.vocab_size and all(v > 0 for v in small["draft"].values())
     assert "--compare 16 0" in report["command"]
