@@ -106,6 +106,11 @@ def time_split_rows(file: str, names: dict[str, str]) -> list[str]:
     return rows
 
 
+# The header of every corrector-on/off table (`bench_rows`).
+BENCH_HEADER = ("| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
+                "| --- | --- | --- | --- | --- |")
+
+
 def bench_rows(link: bool = True, benches: tuple[tuple[str, str], ...] = BENCHES,
                names: dict[str, str] = BENCH_SUITES) -> list[str]:
     rows = []
@@ -149,8 +154,7 @@ def table(link: bool = True) -> str:
         "The corrector alone: the same engine, weights, draft vocabulary, layouts and blocks, with the corrector",
         "off (`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench`):",
         "",
-        "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
-        "| --- | --- | --- | --- | --- |",
+        *BENCH_HEADER,
         *bench_rows(link),
         "",
         *bench_caption(),
@@ -249,8 +253,7 @@ def batch_table(suite: str) -> str:
 def bench_table() -> str:
     """docs/results.md's table of the corrector alone: the README's rows, linked from docs/."""
     rows = _from_docs(bench_rows(True))
-    return "\n".join(["| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
-                      "| --- | --- | --- | --- | --- |", *rows, "", *bench_caption()])
+    return "\n".join([*BENCH_HEADER, *rows, "", *bench_caption()])
 
 
 def sampling_table() -> str:
@@ -398,8 +401,7 @@ def gemma3_table(link: bool = True, full: bool = True) -> str:
     if rows:
         lines += ["", "The corrector alone: the same engine, weights, draft vocabulary and blocks, with the corrector "
                   "off (`dflash`) and on (`dcoco`), interleaved per prompt (`dcoco-hf bench`):", "",
-                  "| prompts | tau DFlash / DCOCO | tau ratio | speedup DFlash / DCOCO | corrector share |",
-                  "| --- | --- | --- | --- | --- |", *rows, "", *bench_caption(GEMMA3_BENCHES)]
+                  *BENCH_HEADER, *rows, "", *bench_caption(GEMMA3_BENCHES)]
     return "\n".join(lines)
 
 

@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..runtime.hf_compat import cache_kwargs
-from ..runtime.target_cache import static_target_cache
 from ..runtime.logs import log
 from ..runtime.prompts import (
     HUMANEVAL_TEMPLATE,
@@ -45,6 +44,7 @@ from ..runtime.prompts import (
     padding_id,
     prompt_input_ids,
 )
+from ..runtime.target_cache import static_target_cache
 
 CHAT_TOPICS = (
     "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry", "geography", "music",
